@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Evaluate a WMT14 En->De run: checkpoint averaging, beam search, sacreBLEU and tokenized BLEU.
+#
+#   bash examples/wmt14_en_de/evaluate.sh --checkpoints DIR [--prep DIR] [--num-checkpoints 5]
+#        [--kind epoch|update] [--upper-bound N] [--subset test|valid] [--beam 4] [--lenpen 0.6]
+#        [--batch-size 100] [--out DIR] [-- extra fairseq-generate flags]
+#
+# 1. averages the last N epoch checkpoints (checkpointE.pt; --kind update: checkpoint_E_U.pt)
+#    with `fairseq-agg average-checkpoints` (N = 1 uses checkpoint_best.pt / checkpoint_last.pt
+#    unaveraged when there are no numbered checkpoints),
+# 2. fairseq-generate with beam 4 and length penalty 0.6 (the papers' setting),
+# 3. decodes the hypotheses with the sentencepiece model,
+# 4. prints sacreBLEU (detokenised, against the untouched reference) with its signature, and
+# 5. the tokenized, compound-split BLEU the papers report (Moses tokenisation with aggressive
+#    hyphen splitting, ##AT## compound splitting, fairseq-score).
+# --prep is the --out directory of prepare.sh (default data/wmt14_en_de): data-bin/, spm.model,
+# raw/SUBSET.de. Results go to --out (default CHECKPOINTS/eval-SUBSET).
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+py="${PYTHON:-}"
+if [[ -z "$py" ]]; then
+  if [[ -x "$root/.venv/bin/python" ]]; then py="$root/.venv/bin/python"; else py="$(command -v python3)"; fi
+fi
+bindir="$(dirname "$py")"
+textprep="$root/scripts/textprep.py"
+
+die() { echo "evaluate.sh: error: $*" >&2; exit 2; }
+
+ckpts=""; prep="$root/data/wmt14_en_de"; num=5; kind=epoch; upper=""; subset=test
+beam=4; lenpen=0.6; bsz=100; out=""; extra=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --checkpoints) ckpts="${2:?}"; shift 2 ;;
+    --prep) prep="${2:?}"; shift 2 ;;
+    --num-checkpoints) num="${2:?}"; shift 2 ;;
+    --kind) kind="${2:?}"; shift 2 ;;
+    --upper-bound) upper="${2:?}"; shift 2 ;;
+    --subset) subset="${2:?}"; shift 2 ;;
+    --beam) beam="${2:?}"; shift 2 ;;
+    --lenpen) lenpen="${2:?}"; shift 2 ;;
+    --batch-size) bsz="${2:?}"; shift 2 ;;
+    --out) out="${2:?}"; shift 2 ;;
+    --) shift; extra=("$@"); break ;;
+    -h|--help) sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) die "unknown argument '$1' (see --help)" ;;
+  esac
+done
+
+[[ -n "$ckpts" ]] || die "--checkpoints DIR is required"
+[[ -d "$ckpts" ]] || die "--checkpoints: no such directory: $ckpts"
+[[ "$num" =~ ^[0-9]+$ ]] && (( num >= 1 )) || die "--num-checkpoints must be an integer >= 1, got '$num'"
+[[ "$kind" == epoch || "$kind" == update ]] || die "--kind must be epoch or update, got '$kind'"
+[[ "$subset" == test || "$subset" == valid ]] || die "--subset must be test or valid, got '$subset'"
+[[ -z "$upper" || "$upper" =~ ^[0-9]+$ ]] || die "--upper-bound must be an integer, got '$upper'"
+[[ "$beam" =~ ^[0-9]+$ ]] && (( beam >= 1 )) || die "--beam must be an integer >= 1, got '$beam'"
+data="$prep/data-bin"; spm="$prep/spm.model"; ref="$prep/raw/$subset.de"
+for f in "$data/dict.de.txt" "$spm" "$ref"; do
+  [[ -f "$f" ]] || die "--prep $prep: missing $f (run prepare.sh with --out $prep)"
+done
+out="${out:-$ckpts/eval-$subset}"
+mkdir -p "$out"
+
+# 1. Average the last checkpoints.
+model="$out/averaged.pt"
+avg_args=(--inputs "$ckpts" --output "$model")
+if [[ "$kind" == epoch ]]; then avg_args+=(--num-epoch-checkpoints "$num"); else avg_args+=(--num-update-checkpoints "$num"); fi
+[[ -n "$upper" ]] && avg_args+=(--checkpoint-upper-bound "$upper")
+if (( num == 1 )) && ! ls "$ckpts" | grep -qE '^checkpoint_?[0-9]'; then
+  model="$ckpts/checkpoint_best.pt"; [[ -f "$model" ]] || model="$ckpts/checkpoint_last.pt"
+  [[ -f "$model" ]] || die "--checkpoints $ckpts: no checkpoints found"
+  echo "[evaluate] no numbered checkpoints: using $model"
+else
+  "$bindir/fairseq-agg" average-checkpoints "${avg_args[@]}"
+fi
+
+# 2. Beam search on the binarised subset (pieces in, pieces out).
+echo "[evaluate] fairseq-generate --beam $beam --lenpen $lenpen on $subset"
+"$bindir/fairseq-generate" "$data" --user-dir "$root/fairseq_agg" --task translation \
+  --source-lang en --target-lang de --path "$model" --gen-subset "$subset" \
+  --beam "$beam" --lenpen "$lenpen" --batch-size "$bsz" "${extra[@]}" > "$out/generate.out"
+grep -E '^(Generate|BLEU)' "$out/generate.out" | tail -n 2 || true
+
+# 3. Sentencepiece decoding, in the original sentence order.
+"$py" "$textprep" hyp-from-generate --input "$out/generate.out" --prefix H --output "$out/hyp.pieces"
+"$py" "$textprep" spm-decode --model "$spm" --input "$out/hyp.pieces" --output "$out/hyp.txt"
+nh=$(wc -l < "$out/hyp.txt"); nr=$(wc -l < "$ref")
+(( nh == nr )) || die "$nh hypotheses for $nr reference lines ($ref)"
+
+# 4. Detokenised sacreBLEU (the signature line makes the number reproducible).
+echo "[evaluate] sacreBLEU (detokenised, $ref):"
+"$bindir/sacrebleu" "$ref" -i "$out/hyp.txt" -m bleu chrf -f text -w 2 | tee "$out/sacrebleu.txt"
+
+# 5. Tokenized BLEU with compound splitting, as reported by the AGG and Transformer papers.
+"$py" "$textprep" compound-split --lang de --input "$out/hyp.txt" --output "$out/hyp.tok"
+"$py" "$textprep" compound-split --lang de --input "$ref" --output "$out/ref.tok"
+echo "[evaluate] tokenized compound-split BLEU (fairseq-score):"
+"$bindir/fairseq-score" --sys "$out/hyp.tok" --ref "$out/ref.tok" | tail -n 1 | tee "$out/tok_bleu.txt"
+echo "[evaluate] outputs in $out"

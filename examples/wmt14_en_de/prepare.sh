@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# WMT14 English->German for fairseq with sentencepiece (instead of Moses + subword-nmt).
+#
+#   bash examples/wmt14_en_de/prepare.sh [--raw-dir DIR] [--out DIR] [--vocab-size 32000]
+#        [--news-commentary v12|v9] [--workers N] [--spm-sentences N]
+#
+# Training data: Europarl v7, Common Crawl and News Commentary (v12 as in the AGG paper's
+# --icml17 setup, v9 as in fairseq's default WMT14 setup); valid = newstest2013, test =
+# newstest2014 (full, 3003 sentences), both fetched with `sacrebleu --echo`.
+# Pipeline: joint sentencepiece BPE model on the raw training text, encode, clean the training
+# pairs (1..250 pieces, length ratio <= 1.5), fairseq-preprocess --joined-dictionary.
+#
+# --raw-dir DIR: use already-downloaded files instead of the network. DIR (searched
+# recursively) must contain the extracted corpora `europarl-v7.de-en.{en,de}`,
+# `commoncrawl.de-en.{en,de}`, `news-commentary-v12.de-en.{en,de}` (or -v9) and plain-text
+# `newstest2013.{en,de}` and `newstest2014.{en,de}` (one sentence per line, as
+# `sacrebleu -t wmt14/full -l en-de --echo src` prints them). .tgz archives in DIR are extracted.
+#
+# Writes OUT/data-bin (fairseq binary data), OUT/spm.model, OUT/raw/{valid,test}.{en,de}
+# (untouched references for sacrebleu) and OUT/prepare.log.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+py="${PYTHON:-}"
+if [[ -z "$py" ]]; then
+  if [[ -x "$root/.venv/bin/python" ]]; then py="$root/.venv/bin/python"; else py="$(command -v python3)"; fi
+fi
+bindir="$(dirname "$py")"
+textprep="$root/scripts/textprep.py"
+
+raw_dir=""
+out="$root/data/wmt14_en_de"
+vocab=32000
+nc=v12
+workers="$(nproc 2>/dev/null || echo 1)"
+spm_sentences=10000000
+
+die() { echo "prepare.sh: error: $*" >&2; exit 2; }
+usage() { sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --raw-dir) raw_dir="${2:?--raw-dir needs a directory}"; shift 2 ;;
+    --out) out="${2:?--out needs a directory}"; shift 2 ;;
+    --vocab-size) vocab="${2:?}"; shift 2 ;;
+    --news-commentary) nc="${2:?}"; shift 2 ;;
+    --workers) workers="${2:?}"; shift 2 ;;
+    --spm-sentences) spm_sentences="${2:?}"; shift 2 ;;
+    -h|--help) usage; exit 0 ;;
+    *) die "unknown argument '$1' (see --help)" ;;
+  esac
+done
+
+[[ "$vocab" =~ ^[0-9]+$ ]] && (( vocab >= 100 )) || die "--vocab-size must be an integer >= 100, got '$vocab'"
+[[ "$nc" == v12 || "$nc" == v9 ]] || die "--news-commentary must be v12 or v9, got '$nc'"
+[[ "$workers" =~ ^[0-9]+$ ]] && (( workers >= 1 )) || die "--workers must be an integer >= 1, got '$workers'"
+[[ "$spm_sentences" =~ ^[0-9]+$ ]] && (( spm_sentences >= 1 )) || die "--spm-sentences must be an integer >= 1"
+
+fetch() {  # fetch URL DEST: idempotent download
+  local url="$1" dest="$2"
+  [[ -s "$dest" ]] && return 0
+  echo "[prepare] downloading $url"
+  if command -v curl >/dev/null; then curl -fL --retry 3 -o "$dest.part" "$url"
+  else wget -q -O "$dest.part" "$url"; fi
+  mv "$dest.part" "$dest"
+}
+
+if [[ -z "$raw_dir" ]]; then
+  raw_dir="$out/orig"
+  mkdir -p "$raw_dir"
+  fetch http://statmt.org/wmt13/training-parallel-europarl-v7.tgz "$raw_dir/training-parallel-europarl-v7.tgz"
+  fetch http://statmt.org/wmt13/training-parallel-commoncrawl.tgz "$raw_dir/training-parallel-commoncrawl.tgz"
+  if [[ "$nc" == v12 ]]; then
+    fetch http://data.statmt.org/wmt17/translation-task/training-parallel-nc-v12.tgz "$raw_dir/training-parallel-nc-v12.tgz"
+  else
+    fetch http://statmt.org/wmt14/training-parallel-nc-v9.tgz "$raw_dir/training-parallel-nc-v9.tgz"
+  fi
+  for spec in "wmt13 newstest2013" "wmt14/full newstest2014"; do
+    set -- $spec
+    for side in en de; do
+      what=src; [[ "$side" == de ]] && what=ref
+      if [[ ! -s "$raw_dir/$2.$side" ]]; then
+        "$bindir/sacrebleu" -t "$1" -l en-de --echo "$what" > "$raw_dir/$2.$side.part"
+        mv "$raw_dir/$2.$side.part" "$raw_dir/$2.$side"
+      fi
+    done
+  done
+fi
+[[ -d "$raw_dir" ]] || die "--raw-dir: no such directory: $raw_dir"
+raw_dir="$(cd "$raw_dir" && pwd)"
+
+# Extract archives once (a stamp per archive), next to them.
+shopt -s nullglob
+for tgz in "$raw_dir"/*.tgz "$raw_dir"/*.tar.gz; do
+  stamp="$tgz.extracted"
+  if [[ ! -f "$stamp" ]]; then
+    echo "[prepare] extracting $(basename "$tgz")"
+    tar -xzf "$tgz" -C "$raw_dir"
+    touch "$stamp"
+  fi
+done
+shopt -u nullglob
+
+find_file() {  # the one file named $1 under the raw dir
+  local hit
+  hit="$(find "$raw_dir" -type f -name "$1" | sort | head -n 1)"
+  [[ -n "$hit" ]] || die "--raw-dir $raw_dir: file '$1' not found (see --help for the expected files)"
+  echo "$hit"
+}
+
+mkdir -p "$out/tmp" "$out/raw"
+tmp="$out/tmp"
+log="$out/prepare.log"
+: > "$log"
+
+# 1. Training text: concatenate the corpora, checking that each is aligned line by line.
+: > "$tmp/train.raw.en"; : > "$tmp/train.raw.de"
+for corpus in europarl-v7.de-en commoncrawl.de-en "news-commentary-$nc.de-en"; do
+  en="$(find_file "$corpus.en")"; de="$(find_file "$corpus.de")"
+  nen=$(wc -l < "$en"); nde=$(wc -l < "$de")
+  (( nen == nde )) || die "$corpus: $nen English lines but $nde German lines ($en, $de)"
+  echo "[prepare] $corpus: $nen sentence pairs" | tee -a "$log"
+  # strip carriage returns (Common Crawl has some) so that pieces never contain them
+  tr -d '\r' < "$en" >> "$tmp/train.raw.en"
+  tr -d '\r' < "$de" >> "$tmp/train.raw.de"
+done
+
+# 2. Valid / test sets, kept untouched for sacrebleu.
+for pair in "valid newstest2013" "test newstest2014"; do
+  set -- $pair
+  for side in en de; do
+    f="$(find_file "$2.$side")"
+    tr -d '\r' < "$f" > "$out/raw/$1.$side"
+  done
+  nen=$(wc -l < "$out/raw/$1.en"); nde=$(wc -l < "$out/raw/$1.de")
+  (( nen == nde )) || die "$2: $nen English lines but $nde German lines"
+  echo "[prepare] $1 = $2: $nen sentences" | tee -a "$log"
+done
+
+# 3. Joint sentencepiece BPE model over both languages' training text.
+echo "[prepare] training sentencepiece (bpe, vocab $vocab)" | tee -a "$log"
+"$py" "$textprep" spm-train --inputs "$tmp/train.raw.en" "$tmp/train.raw.de" \
+  --model-prefix "$out/spm" --vocab-size "$vocab" --model-type bpe --max-sentences "$spm_sentences"
+
+# 4. Encode everything into pieces.
+"$py" "$textprep" spm-encode --model "$out/spm.model" \
+  --inputs "$tmp/train.raw.en" "$tmp/train.raw.de" "$out/raw/valid.en" "$out/raw/valid.de" "$out/raw/test.en" "$out/raw/test.de" \
+  --outputs "$tmp/train.spm.en" "$tmp/train.spm.de" "$tmp/valid.spm.en" "$tmp/valid.spm.de" "$tmp/test.spm.en" "$tmp/test.spm.de"
+
+# 5. Clean the training pairs on piece counts (as fairseq's recipe cleans after BPE).
+"$py" "$textprep" clean-corpus --src "$tmp/train.spm.en" --tgt "$tmp/train.spm.de" \
+  --out-src "$tmp/train.clean.en" --out-tgt "$tmp/train.clean.de" --min-len 1 --max-len 250 --ratio 1.5 2>&1 | tee -a "$log"
+
+# 6. Binarise with one dictionary for both sides (--share-all-embeddings needs it).
+rm -rf "$out/data-bin"
+"$bindir/fairseq-preprocess" --source-lang en --target-lang de \
+  --trainpref "$tmp/train.clean" --validpref "$tmp/valid.spm" --testpref "$tmp/test.spm" \
+  --destdir "$out/data-bin" --joined-dictionary --workers "$workers" 2>&1 | tee -a "$log"
+
+rm -rf "$tmp"
+echo "[prepare] done: data-bin $out/data-bin, sentencepiece model $out/spm.model" | tee -a "$log"

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Train a WMT14 En->De Transformer with or without the plugin's methods.
+#
+#   bash examples/wmt14_en_de/train.sh METHOD [base|big] [extra fairseq-train flags ...]
+#
+# METHOD: baseline   label_smoothed_cross_entropy (eps 0.1), stock transformer
+#         agg        cross_entropy_agg --label-smoothing 0.1 --agg-alpha 0.08 (the AGG paper)
+#         aug        augmented_loss (REAL: shared embeddings) --label-smoothing 0.1
+#         agg+aug    AGG gating and the augmented loss in one criterion
+#         mlra       label-smoothed CE on the MLRA transformer (low-rank Q/K/V)
+#         agg+mlra   AGG on the MLRA transformer
+# Hyper-parameters are the AGG paper's MT runs (its README): shared embeddings, Adam
+# (0.9, 0.98), lr 1e-3, inverse_sqrt with 4000 warm-up updates from 1e-7, weight decay 0.01,
+# dropout 0.3, no clipping, 8192 tokens x update-freq 8, 200k updates, a checkpoint every 2000
+# updates (the last 10 kept), seed 1; --fp16 when a GPU is present.
+# Extra flags go to fairseq-train last, so they override these (e.g. --max-update 1000).
+#
+# Environment: DATA_BIN (default data/wmt14_en_de/data-bin), SAVE_DIR (default
+# checkpoints/wmt14_en_de/METHOD-SIZE), EMBED_STATS_INTERVAL (log TEV / mean cosine every N
+# updates; baseline then uses label_smoothed_cross_entropy_with_stats), DRY_RUN=1 prints the
+# command instead of running it.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+py="${PYTHON:-}"
+if [[ -z "$py" ]]; then
+  if [[ -x "$root/.venv/bin/python" ]]; then py="$root/.venv/bin/python"; else py="$(command -v python3)"; fi
+fi
+bindir="$(dirname "$py")"
+
+die() { echo "train.sh: error: $*" >&2; exit 2; }
+methods="baseline agg aug agg+aug mlra agg+mlra"
+[[ $# -ge 1 ]] || die "usage: train.sh METHOD [base|big] [fairseq flags...]; METHOD is one of: $methods"
+method="$1"; shift
+size=base
+if [[ $# -ge 1 && ( "$1" == base || "$1" == big ) ]]; then size="$1"; shift; fi
+case " $methods " in *" $method "*) ;; *) die "METHOD must be one of: $methods (got '$method')" ;; esac
+
+data="${DATA_BIN:-$root/data/wmt14_en_de/data-bin}"
+save_dir="${SAVE_DIR:-$root/checkpoints/wmt14_en_de/$method-$size}"
+stats="${EMBED_STATS_INTERVAL:-0}"
+[[ "$stats" =~ ^[0-9]+$ ]] || die "EMBED_STATS_INTERVAL must be an integer >= 0, got '$stats'"
+if [[ "${DRY_RUN:-0}" != 1 ]]; then
+  [[ -f "$data/dict.en.txt" ]] || die "DATA_BIN=$data has no dict.en.txt: run examples/wmt14_en_de/prepare.sh first"
+fi
+
+arch=transformer_wmt_en_de
+[[ "$size" == big ]] && arch=transformer_vaswani_wmt_en_de_big
+case "$method" in
+  *mlra*) if [[ "$size" == big ]]; then arch=transformer_mlra_vaswani_wmt_en_de_big; else arch=transformer_mlra_wmt_en_de; fi ;;
+esac
+
+case "$method" in
+  baseline|mlra)
+    if (( stats > 0 )); then crit=(--criterion label_smoothed_cross_entropy_with_stats --label-smoothing 0.1)
+    else crit=(--criterion label_smoothed_cross_entropy --label-smoothing 0.1); fi ;;
+  agg|agg+mlra) crit=(--criterion cross_entropy_agg --label-smoothing 0.1 --agg-alpha 0.08) ;;
+  aug) crit=(--criterion augmented_loss --label-smoothing 0.1) ;;
+  agg+aug) crit=(--criterion cross_entropy_agg --label-smoothing 0.1 --agg-alpha 0.08 --aug-alpha 0.5) ;;
+esac
+(( stats > 0 )) && crit+=(--embed-stats-interval "$stats")
+
+precision=()
+if "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  precision=(--fp16)
+fi
+
+cmd=("$bindir/fairseq-train" "$data" --user-dir "$root/fairseq_agg"
+  --task translation --source-lang en --target-lang de
+  --arch "$arch" --share-all-embeddings
+  "${crit[@]}"
+  --optimizer adam --adam-betas "(0.9, 0.98)" --clip-norm 0.0 --weight-decay 0.01
+  --lr 1e-3 --lr-scheduler inverse_sqrt --warmup-updates 4000 --warmup-init-lr 1e-07 --stop-min-lr 1e-09
+  --dropout 0.3 --max-tokens 8192 --update-freq 8 "${precision[@]}" --seed 1
+  --max-update 200000 --save-interval-updates 2000 --keep-interval-updates 10
+  --save-dir "$save_dir" --log-format simple --log-interval 100
+  "$@")
+
+if [[ "${DRY_RUN:-0}" == 1 ]]; then
+  printf '%q ' "${cmd[@]}"; echo
+  exit 0
+fi
+mkdir -p "$save_dir"
+exec "${cmd[@]}"

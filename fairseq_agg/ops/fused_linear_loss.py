@@ -1,0 +1,198 @@
+"""Fused output projection + (label-smoothed) cross-entropy, with AGG gating and the augmented loss.
+
+One chunked autograd Function serves every criterion of this package:
+
+* plain CE / label-smoothed CE (fairseq's convention: the target gets 1 - eps, every other entry
+  eps / (V - 1); ``label_smoothed_nll_loss`` in fairseq/criterions/label_smoothed_cross_entropy.py);
+* AGG (Yu et al., ACL 2022): the output-embedding gradient of the CE part is gated per
+  (context, token) entry; the hidden-state gradient is not (spec agg.md §5.1);
+* the augmented loss of Inan et al. (ICLR 2017, eq. 3.2-3.3): ``coef * KL(teacher || softmax(z / tau))``
+  per token, with a detached, per-type teacher (spec augmented_loss.md §5, §8.8).
+
+The logits ``Z = H W^T`` are computed once, chunk by chunk over the tokens; in the same pass the
+gradients ``dH = G W`` and ``dW = G_w^T H`` are formed and only they are kept, so no N x V tensor
+outlives a chunk (the fused linear-cross-entropy pattern, spec agg.md §5.3). Backward only scales the
+saved gradients by the incoming gradient. Softmax and all loss arithmetic run in fp32 whatever the
+dtype of H and W; the matmuls run in the model dtype.
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class TokenGates:
+    """AGG gate vectors (length V each) for one micro-batch; see :func:`fairseq_agg.ops.rare_tokens.agg_gates`.
+
+    ``g1`` scales the gradient of token k's logit in contexts whose target is not rare, ``g2`` in
+    contexts whose target is rare; the target's own column is never gated.
+    """
+
+    g1: torch.Tensor
+    g2: torch.Tensor
+    rare: torch.Tensor  # bool
+
+
+@dataclass
+class TeacherTargets:
+    """Augmented-loss teacher (Inan et al. eq. 3.7) for the unique targets of a batch.
+
+    ``probs[u]`` is softmax(E e_u / tau) for the u-th unique target type (fp32, detached),
+    ``entropy[u]`` its entropy, and ``index[n]`` the row of ``probs`` for token n.
+    ``coef`` is alpha * scale(tau); ``gate_with_agg`` also applies the AGG gates to the AL part of dW.
+    """
+
+    probs: torch.Tensor
+    entropy: torch.Tensor
+    index: torch.Tensor
+    tau: float
+    coef: float
+    gate_with_agg: bool = False
+
+
+def _gate_rows_(grad, target, gates, rare_target_rows):
+    """In-place AGG gating of a chunk's logit gradient (spec agg.md §4.2, §5.3).
+
+    Rows with a non-rare target are scaled by g1 (g1 = 1 outside the rare group, so only rare
+    columns change and the target column is untouched); rows with a rare target by g2, except in
+    their own target column.
+    """
+    if rare_target_rows.numel():
+        rare_rows = grad.index_select(0, rare_target_rows)
+        keep = rare_rows.gather(1, target.index_select(0, rare_target_rows).unsqueeze(1))
+        rare_rows.mul_(gates.g2.unsqueeze(0))
+        rare_rows.scatter_(1, target.index_select(0, rare_target_rows).unsqueeze(1), keep)
+    grad.mul_(gates.g1.unsqueeze(0))
+    if rare_target_rows.numel():
+        grad.index_copy_(0, rare_target_rows, rare_rows)
+
+
+class _FusedLinearLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, target, epsilon, gates, teacher, chunk_size, compute_grad):
+        n_rows, _ = hidden.shape
+        vocab = weight.size(0)
+        eps_i = epsilon / (vocab - 1) if epsilon > 0 else 0.0
+        target_weight = 1.0 - epsilon - eps_i  # fairseq: loss = (1-eps-eps_i)*nll + eps_i*smooth
+        needs_grad = compute_grad and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
+
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if needs_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_grad else None
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        nll_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        aug_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        rare_of_target = gates.rare.index_select(0, target) if gates is not None else None
+
+        for start in range(0, n_rows, chunk_size):
+            stop = min(start + chunk_size, n_rows)
+            h = hidden[start:stop]
+            y = target[start:stop]
+            logits = (h @ weight.t()).float()  # the only logits matmul
+            lse = torch.logsumexp(logits, dim=-1)
+            target_logit = logits.gather(1, y.unsqueeze(1)).squeeze(1)
+            nll = lse - target_logit
+            nll_sum += nll.sum()
+            if eps_i > 0:
+                smooth = vocab * lse - logits.sum(dim=-1)  # sum_k -log p_k
+                loss += (target_weight * nll + eps_i * smooth).sum()
+            else:
+                loss += nll.sum()
+
+            aug_grad = None
+            if teacher is not None:
+                tau = teacher.tau
+                teacher_rows = teacher.probs.index_select(0, teacher.index[start:stop])
+                scaled = logits / tau
+                lse_tau = torch.logsumexp(scaled, dim=-1)
+                # KL(t || softmax(z/tau)) = lse(z/tau) - t.z/tau - H(t)   (augmented_loss.md §5, Trick 2)
+                kl = lse_tau - (teacher_rows * scaled).sum(dim=-1) - teacher.entropy.index_select(
+                    0, teacher.index[start:stop]
+                )
+                aug_sum += kl.sum()
+                loss += teacher.coef * kl.sum()
+                if needs_grad:
+                    # d KL / d z = (softmax(z/tau) - t) / tau  (augmented_loss.md §4)
+                    aug_grad = scaled.sub_(lse_tau.unsqueeze(1)).exp_().sub_(teacher_rows)
+                    aug_grad.mul_(teacher.coef / tau)
+                del teacher_rows, scaled
+
+            if not needs_grad:
+                continue
+            # G = softmax(Z) - Q with Q = (1-eps-eps_i) onehot + eps_i  (in place on the logits)
+            grad = logits.sub_(lse.unsqueeze(1)).exp_()
+            if eps_i > 0:
+                grad.sub_(eps_i)
+            grad.scatter_add_(
+                1, y.unsqueeze(1), torch.full((stop - start, 1), -target_weight, dtype=grad.dtype, device=grad.device)
+            )
+            if aug_grad is not None:
+                if gates is None or teacher.gate_with_agg:
+                    grad.add_(aug_grad)  # one gradient for dH and dW
+                    aug_grad = None
+                else:
+                    total = grad + aug_grad
+                    grad_hidden[start:stop] = (total.to(weight.dtype) @ weight).float()
+                    del total
+            if aug_grad is None:
+                grad_hidden[start:stop] = (grad.to(weight.dtype) @ weight).float()  # hidden states: un-gated
+            if gates is not None:
+                _gate_rows_(grad, y, gates, rare_of_target[start:stop].nonzero().squeeze(1))
+            if aug_grad is not None:
+                grad.add_(aug_grad)  # AL part of dW un-gated (augmented_loss.md §8.8)
+            grad_weight += (grad.to(hidden.dtype).t() @ h).float()
+            del grad, aug_grad
+
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.input_dtypes = (hidden.dtype, weight.dtype)
+        ctx.mark_non_differentiable(nll_sum, aug_sum)
+        return loss, nll_sum, aug_sum
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_nll, _grad_aug):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.input_dtypes
+        if grad_hidden is None:
+            raise RuntimeError("fused_linear_loss was called without gradient tracking; it cannot be backpropagated")
+        out_h = (grad_hidden * grad_loss).to(hidden_dtype) if ctx.needs_input_grad[0] else None
+        out_w = (grad_weight * grad_loss).to(weight_dtype) if ctx.needs_input_grad[1] else None
+        return out_h, out_w, None, None, None, None, None, None
+
+
+def fused_linear_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    epsilon: float = 0.0,
+    gates: Optional[TokenGates] = None,
+    teacher: Optional[TeacherTargets] = None,
+    chunk_size: int = 2048,
+):
+    """Summed loss of ``softmax(hidden @ weight.T)`` against ``target``.
+
+    Args:
+        hidden: (N, d) decoder features of the non-padding positions.
+        weight: (V, d) output projection (no bias).
+        target: (N,) target ids; padding must already be removed by the caller.
+        epsilon: label smoothing in fairseq's convention, 0 <= epsilon < 1.
+        gates: AGG gates; ``None`` = ungated (plain CE).
+        teacher: augmented-loss teacher; ``None`` = no augmented loss.
+        chunk_size: tokens per chunk; peak extra memory is O(chunk_size x V).
+
+    Returns:
+        ``(loss, nll, aug_kl)``: the differentiable summed loss (CE part + coef * KL), the summed
+        NLL (for logging, no gradient) and the summed KL before ``coef`` (no gradient).
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.size(1) != weight.size(1):
+        raise ValueError(f"expected hidden (N, d) and weight (V, d), got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if target.shape != hidden.shape[:1]:
+        raise ValueError(f"target must have shape ({hidden.size(0)},), got {tuple(target.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if teacher is not None and teacher.index.shape != target.shape:
+        raise ValueError("teacher.index must have one entry per target")
+    # Under torch.no_grad (validation) the gradients are not formed at all.
+    compute_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _FusedLinearLoss.apply(
+        hidden, weight, target, float(epsilon), gates, teacher, int(chunk_size), compute_grad
+    )

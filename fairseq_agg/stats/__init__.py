@@ -1,0 +1,1 @@
+"""Token-embedding statistics: TEV, isotropy I(W), mean cosine, per frequency group."""

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Creates (or reuses) the virtual environment .venv/ at the repository root and installs
+# torch, fairseq (fairseq-fixed, built against that torch) and this package into it.
+# Idempotent: a second run only checks that everything imports.
+# Usage: scripts/setup_env.sh [--test]   (--test also installs the test extra)
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="$root/.venv"
+py="${PYTHON:-python3}"
+extra=""
+[[ "${1:-}" == "--test" ]] && extra="[test]"
+
+if [[ ! -x "$venv/bin/python" ]]; then
+  echo "[setup] creating virtual environment at $venv"
+  "$py" -m venv "$venv"
+fi
+vpy="$venv/bin/python"
+stamp="$venv/.fairseq-agg-installed$extra"
+
+if [[ -f "$stamp" ]] && "$vpy" -c "import torch, fairseq, fairseq_agg" >/dev/null 2>&1 \
+   && [[ "$stamp" -nt "$root/setup.py" ]]; then
+  exit 0
+fi
+
+"$vpy" -m pip install -q --upgrade pip setuptools wheel
+# torch first: fairseq is built against the installed torch (no build isolation), otherwise pip
+# would fetch a second, multi-GB torch into the build environment.
+if ! "$vpy" -c "import torch" >/dev/null 2>&1; then
+  echo "[setup] installing torch"
+  "$vpy" -m pip install -q "torch==${FAIRSEQ_AGG_TORCH_VERSION:-2.13.0}"
+fi
+"$vpy" -m pip install -q "cython<3.1" "numpy<2.3"
+if ! "$vpy" -c "import fairseq" >/dev/null 2>&1; then
+  echo "[setup] building fairseq-fixed 0.12.3.1 from source (takes a few minutes)"
+  "$vpy" -m pip install -q --no-build-isolation "fairseq-fixed==0.12.3.1"
+fi
+echo "[setup] installing fairseq-agg$extra"
+"$vpy" -m pip install -q --no-build-isolation -e "$root$extra"
+"$vpy" -c "import torch, fairseq, fairseq_agg" 
+touch "$stamp"

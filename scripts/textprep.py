@@ -1,0 +1,292 @@
+#!/usr/bin/env python3
+"""Text-preparation helpers shared by the example pipelines (WMT14 En-De, WikiText-103, demos).
+
+Usable from shell scripts as ``python scripts/textprep.py COMMAND ...`` and from Python by
+importing this file. Every command streams line by line, so large corpora need little memory.
+
+Commands:
+  spm-train       train a sentencepiece model (joint over several files)
+  spm-encode      encode files into space-separated pieces (what fairseq-preprocess reads)
+  spm-decode      decode space-separated pieces back to text
+  clean-corpus    drop parallel pairs by length and length ratio (clean-corpus-n semantics)
+  wikitext-detok  undo WikiText's ``@-@`` style token escapes (for subword models)
+  hyp-from-generate  extract H- or T- lines of fairseq-generate output in input order
+  compound-split  Moses-tokenise and split compounds (##AT##) for the papers' tokenized BLEU
+"""
+import argparse
+import os
+import random
+import re
+import sys
+
+
+def _die(msg):
+    print(f"textprep: error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _open(path, mode="r"):
+    if path == "-":
+        return sys.stdin if "r" in mode else sys.stdout
+    return open(path, mode, encoding="utf-8", newline="\n")
+
+
+def count_lines(path):
+    with open(path, "rb") as f:
+        return sum(1 for _ in f)
+
+
+# ---------------------------------------------------------------------------- sentencepiece
+
+
+def spm_train(inputs, model_prefix, vocab_size, model_type="bpe", character_coverage=1.0,
+              max_sentences=10_000_000, seed=1, user_symbols=(), threads=None, hard_vocab_limit=True):
+    """Trains a sentencepiece model on the lines of ``inputs`` (joint vocabulary)."""
+    import sentencepiece as spm
+
+    if vocab_size < 8:
+        _die(f"--vocab-size must be >= 8, got {vocab_size}")
+    for path in inputs:
+        if not os.path.isfile(path):
+            _die(f"spm-train input not found: {path}")
+    # Without a bound, sentencepiece loads every line; large WMT/WikiText corpora are sampled.
+    spm.SentencePieceTrainer.train(
+        input=",".join(inputs),
+        model_prefix=model_prefix,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        character_coverage=character_coverage,
+        input_sentence_size=max_sentences,
+        shuffle_input_sentence=True,
+        seed_sentencepiece_size=1_000_000,
+        num_threads=threads or min(os.cpu_count() or 1, 16),
+        user_defined_symbols=list(user_symbols),
+        hard_vocab_limit=hard_vocab_limit,
+        # fairseq adds its own bos/eos/pad; sentencepiece's ids are never used, only the pieces.
+        bos_id=-1,
+        eos_id=-1,
+        pad_id=-1,
+        unk_id=0,
+        unk_piece="<spm_unk>",
+        minloglevel=2,
+        random_seed=seed,
+    )
+    return model_prefix + ".model"
+
+
+def _processor(model):
+    import sentencepiece as spm
+
+    if not os.path.isfile(model):
+        _die(f"sentencepiece model not found: {model}")
+    return spm.SentencePieceProcessor(model_file=model)
+
+
+def spm_encode(model, inputs, outputs):
+    sp = _processor(model)
+    if len(inputs) != len(outputs):
+        _die("spm-encode needs as many --outputs as --inputs")
+    for src, dst in zip(inputs, outputs):
+        with _open(src) as fin, _open(dst, "w") as fout:
+            for line in fin:
+                pieces = sp.encode(line.rstrip("\n"), out_type=str)
+                fout.write(" ".join(pieces) + "\n")
+
+
+def spm_decode(model, inp, out):
+    sp = _processor(model)
+    with _open(inp) as fin, _open(out, "w") as fout:
+        for line in fin:
+            pieces = line.split()
+            fout.write(sp.decode_pieces(pieces) + "\n")
+
+
+# ---------------------------------------------------------------------------- cleaning
+
+
+def clean_corpus(src_in, tgt_in, src_out, tgt_out, min_len=1, max_len=250, ratio=1.5):
+    """Keeps a pair iff both sides have min..max tokens and neither is > ratio times the other.
+
+    The semantics of Moses' clean-corpus-n (which fairseq's WMT recipe runs after BPE): lengths are
+    whitespace tokens of the already segmented text. Returns (kept, total).
+    """
+    kept = total = 0
+    with _open(src_in) as fs, _open(tgt_in) as ft, _open(src_out, "w") as os_, _open(tgt_out, "w") as ot:
+        for s, t in zip(fs, ft):
+            total += 1
+            s = s.strip()
+            t = t.strip()
+            ns, nt = len(s.split()), len(t.split())
+            if ns < min_len or nt < min_len or ns > max_len or nt > max_len:
+                continue
+            if ns > ratio * nt or nt > ratio * ns:
+                continue
+            os_.write(s + "\n")
+            ot.write(t + "\n")
+            kept += 1
+        if fs.readline() or ft.readline():
+            _die(f"{src_in} and {tgt_in} have different numbers of lines")
+    return kept, total
+
+
+# ---------------------------------------------------------------------------- WikiText
+
+_WT_ESCAPES = re.compile(r" @([-,.])@ ")
+
+
+def wikitext_detok_line(line):
+    """`1 @,@ 000` -> `1,000`, `state @-@ of` -> `state-of`: WikiText's escapes of in-word symbols.
+
+    Headings (` = Title = `), `<unk>` and the other token spacing are kept: sentencepiece learns
+    them as pieces, and keeping the spacing makes the text identical to what the word-level
+    models see.
+    """
+    return _WT_ESCAPES.sub(r"\1", line)
+
+
+def wikitext_detok(inp, out):
+    with _open(inp) as fin, _open(out, "w") as fout:
+        for line in fin:
+            fout.write(wikitext_detok_line(line.rstrip("\n")) + "\n")
+
+
+# ---------------------------------------------------------------------------- generate output
+
+
+def read_generate(path, prefix="H"):
+    """Returns the prefix ('H', 'T' or 'S') strings of fairseq-generate output, in sample-id order."""
+    found = {}
+    with _open(path) as f:
+        for line in f:
+            if not line.startswith(prefix + "-"):
+                continue
+            head, *fields = line.rstrip("\n").split("\t")
+            idx = int(head[len(prefix) + 1:])
+            # H and D lines carry a score column before the text; S and T lines do not.
+            text = fields[-1] if fields else ""
+            found[idx] = text
+    if not found:
+        _die(f"no {prefix}- lines in {path}: is it fairseq-generate output?")
+    missing = sorted(set(range(max(found) + 1)) - set(found))
+    if missing:
+        _die(f"{path}: {len(missing)} sample ids have no {prefix}- line (first: {missing[0]})")
+    return [found[i] for i in range(len(found))]
+
+
+# ---------------------------------------------------------------------------- tokenized BLEU
+
+
+def compound_split_line(tok, line, lang):
+    """Moses-tokenises (aggressive dash splitting) and marks compound hyphens with ##AT##.
+
+    This is what the WMT14 En-De papers since Vaswani et al. (2017) report as "tokenized BLEU":
+    hyphenated compounds count as three tokens, so "Bundes-Innenminister" scores like the
+    tokenisation of Google's original evaluation.
+    """
+    text = tok.tokenize(line, aggressive_dash_splits=True, escape=False, return_str=True)
+    # Moses writes "a @-@ b"; the compound split turns each hyphen into "##AT##-##AT##".
+    return text.replace(" @-@ ", " ##AT##-##AT## ")
+
+
+def compound_split(inp, out, lang):
+    try:
+        from sacremoses import MosesTokenizer
+    except ImportError:
+        _die("the tokenized BLEU needs sacremoses: pip install sacremoses")
+    tok = MosesTokenizer(lang=lang)
+    with _open(inp) as fin, _open(out, "w") as fout:
+        for line in fin:
+            fout.write(compound_split_line(tok, line.rstrip("\n"), lang) + "\n")
+
+
+# ---------------------------------------------------------------------------- misc
+
+
+def shuffle_split(lines, n_valid, n_test, seed):
+    """Random split of a list (after de-duplication by the caller); returns train, valid, test."""
+    idx = list(range(len(lines)))
+    random.Random(seed).shuffle(idx)
+    test = [lines[i] for i in idx[:n_test]]
+    valid = [lines[i] for i in idx[n_test:n_test + n_valid]]
+    train = [lines[i] for i in idx[n_test + n_valid:]]
+    return train, valid, test
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="textprep.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    t = sub.add_parser("spm-train")
+    t.add_argument("--inputs", nargs="+", required=True)
+    t.add_argument("--model-prefix", required=True)
+    t.add_argument("--vocab-size", type=int, required=True)
+    t.add_argument("--model-type", default="bpe", choices=["bpe", "unigram", "char", "word"])
+    t.add_argument("--character-coverage", type=float, default=1.0)
+    t.add_argument("--max-sentences", type=int, default=10_000_000)
+    t.add_argument("--user-symbols", nargs="*", default=[])
+    t.add_argument("--soft-vocab-limit", action="store_true",
+                   help="allow a smaller vocabulary when the corpus is too small (fixtures)")
+    t.add_argument("--seed", type=int, default=1)
+
+    e = sub.add_parser("spm-encode")
+    e.add_argument("--model", required=True)
+    e.add_argument("--inputs", nargs="+", required=True)
+    e.add_argument("--outputs", nargs="+", required=True)
+
+    d = sub.add_parser("spm-decode")
+    d.add_argument("--model", required=True)
+    d.add_argument("--input", default="-")
+    d.add_argument("--output", default="-")
+
+    c = sub.add_parser("clean-corpus")
+    c.add_argument("--src", required=True)
+    c.add_argument("--tgt", required=True)
+    c.add_argument("--out-src", required=True)
+    c.add_argument("--out-tgt", required=True)
+    c.add_argument("--min-len", type=int, default=1)
+    c.add_argument("--max-len", type=int, default=250)
+    c.add_argument("--ratio", type=float, default=1.5)
+
+    w = sub.add_parser("wikitext-detok")
+    w.add_argument("--input", default="-")
+    w.add_argument("--output", default="-")
+
+    g = sub.add_parser("hyp-from-generate")
+    g.add_argument("--input", required=True)
+    g.add_argument("--output", default="-")
+    g.add_argument("--prefix", default="H", choices=["H", "T", "S", "D"])
+
+    s = sub.add_parser("compound-split")
+    s.add_argument("--input", default="-")
+    s.add_argument("--output", default="-")
+    s.add_argument("--lang", default="de")
+
+    a = p.parse_args(argv)
+    if a.cmd == "spm-train":
+        spm_train(a.inputs, a.model_prefix, a.vocab_size, a.model_type, a.character_coverage,
+                  a.max_sentences, a.seed, a.user_symbols, hard_vocab_limit=not a.soft_vocab_limit)
+    elif a.cmd == "spm-encode":
+        spm_encode(a.model, a.inputs, a.outputs)
+    elif a.cmd == "spm-decode":
+        spm_decode(a.model, a.input, a.output)
+    elif a.cmd == "clean-corpus":
+        if a.min_len < 1 or a.max_len < a.min_len:
+            _die(f"--min-len/--max-len must satisfy 1 <= min <= max, got {a.min_len}/{a.max_len}")
+        if a.ratio < 1:
+            _die(f"--ratio must be >= 1, got {a.ratio}")
+        kept, total = clean_corpus(a.src, a.tgt, a.out_src, a.out_tgt, a.min_len, a.max_len, a.ratio)
+        print(f"clean-corpus: kept {kept} of {total} pairs", file=sys.stderr)
+    elif a.cmd == "wikitext-detok":
+        wikitext_detok(a.input, a.output)
+    elif a.cmd == "hyp-from-generate":
+        with _open(a.output, "w") as f:
+            for line in read_generate(a.input, a.prefix):
+                f.write(line + "\n")
+    elif a.cmd == "compound-split":
+        compound_split(a.input, a.output, a.lang)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import fairseq_runs  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def lm_data_bin(tmp_path_factory):
+    """A tiny language-modelling data-bin made with a real fairseq-preprocess run."""
+    return fairseq_runs.make_lm_data(str(tmp_path_factory.mktemp("lm")))
+
+
+@pytest.fixture(scope="session")
+def mt_data_bin(tmp_path_factory):
+    """A tiny En->De-shaped translation data-bin (joined dictionary)."""
+    return fairseq_runs.make_mt_data(str(tmp_path_factory.mktemp("mt")))

@@ -1,0 +1,150 @@
+"""Helpers for end-to-end tests: tiny corpora and real fairseq command-line subprocesses.
+
+The corpora are generated from a small Markov "language" with a Zipfian vocabulary, so that a
+model can learn something in a few updates (the loss goes down) and rare tokens exist.
+"""
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+BIN_DIR = os.path.dirname(sys.executable)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+USER_DIR = os.path.join(REPO, "fairseq_agg")
+
+
+def fairseq_bin(name):
+    path = os.path.join(BIN_DIR, name)
+    if not os.path.exists(path):
+        pytest.fail(f"{name} not found next to {sys.executable}; run scripts/run_tests.sh")
+    return path
+
+
+def run_cli(name, args, cwd=None, expect_ok=True, timeout=900):
+    """Runs a fairseq (or plugin) console script; returns the CompletedProcess."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "2")
+    env["PYTHONUNBUFFERED"] = "1"
+    cmd = [fairseq_bin(name)] + [str(a) for a in args]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if expect_ok and proc.returncode != 0:
+        raise AssertionError(
+            f"command failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout ---\n{proc.stdout[-6000:]}"
+            f"\n--- stderr ---\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+def _zipf_words(n_words, prefix, rng):
+    return [f"{prefix}{i}" for i in range(n_words)]
+
+
+def markov_sentences(n_sent, n_words=300, seed=0, min_len=4, max_len=18, prefix="w"):
+    """Sentences from a sparse first-order Markov chain over a Zipf-distributed vocabulary."""
+    rng = random.Random(seed)
+    words = _zipf_words(n_words, prefix, rng)
+    weights = [1.0 / (i + 1) ** 1.1 for i in range(n_words)]
+    # each word has a few likely successors, drawn from the Zipf distribution
+    succ = {w: rng.choices(words, weights=weights, k=4) for w in words}
+    out = []
+    for _ in range(n_sent):
+        length = rng.randint(min_len, max_len)
+        w = rng.choices(words, weights=weights, k=1)[0]
+        sent = [w]
+        for _ in range(length - 1):
+            w = rng.choice(succ[w]) if rng.random() < 0.8 else rng.choices(words, weights=weights, k=1)[0]
+            sent.append(w)
+        out.append(" ".join(sent))
+    return out
+
+
+def write_lines(path, lines):
+    with open(path, "w", encoding="utf-8") as f:
+        for line in lines:
+            f.write(line + "\n")
+
+
+def make_lm_data(root, n_train=1200, n_valid=120, n_test=120, seed=0):
+    """Raw text + fairseq-preprocess --only-source; returns the data-bin directory."""
+    raw = os.path.join(root, "lm_raw")
+    os.makedirs(raw, exist_ok=True)
+    sents = markov_sentences(n_train + n_valid + n_test, seed=seed)
+    write_lines(os.path.join(raw, "train.txt"), sents[:n_train])
+    write_lines(os.path.join(raw, "valid.txt"), sents[n_train : n_train + n_valid])
+    write_lines(os.path.join(raw, "test.txt"), sents[n_train + n_valid :])
+    dest = os.path.join(root, "lm_bin")
+    run_cli(
+        "fairseq-preprocess",
+        ["--only-source", "--trainpref", f"{raw}/train.txt", "--validpref", f"{raw}/valid.txt",
+         "--testpref", f"{raw}/test.txt", "--destdir", dest, "--workers", "1"],
+    )
+    return dest
+
+
+def make_mt_data(root, n_train=1200, n_valid=100, n_test=100, seed=1):
+    """En->De-shaped parallel data: the "German" side is a word-by-word mapping with a local swap.
+
+    Preprocessed with a joined dictionary; returns the data-bin directory.
+    """
+    raw = os.path.join(root, "mt_raw")
+    os.makedirs(raw, exist_ok=True)
+    src = markov_sentences(n_train + n_valid + n_test, n_words=200, seed=seed, max_len=12, prefix="en")
+    tgt = []
+    for s in src:
+        toks = ["de" + w[2:] for w in s.split()]
+        if len(toks) >= 3:  # a deterministic local reordering, as German verb placement
+            toks[1], toks[2] = toks[2], toks[1]
+        tgt.append(" ".join(toks))
+    splits = {"train": (0, n_train), "valid": (n_train, n_train + n_valid),
+              "test": (n_train + n_valid, n_train + n_valid + n_test)}
+    for split, (a, b) in splits.items():
+        write_lines(os.path.join(raw, f"{split}.en"), src[a:b])
+        write_lines(os.path.join(raw, f"{split}.de"), tgt[a:b])
+    dest = os.path.join(root, "mt_bin")
+    run_cli(
+        "fairseq-preprocess",
+        ["--source-lang", "en", "--target-lang", "de", "--trainpref", f"{raw}/train",
+         "--validpref", f"{raw}/valid", "--testpref", f"{raw}/test", "--destdir", dest,
+         "--joined-dictionary", "--workers", "1"],
+    )
+    return dest
+
+
+# Small but real model settings shared by the end-to-end tests.
+TINY_LM_ARGS = [
+    "--task", "language_modeling", "--arch", "transformer_lm", "--decoder-layers", "2",
+    "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2",
+    "--tokens-per-sample", "64", "--sample-break-mode", "none", "--max-tokens", "512",
+    "--optimizer", "adam", "--lr", "0.005", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "10",
+    "--dropout", "0.0", "--seed", "1", "--cpu", "--num-workers", "0", "--log-interval", "1",
+    "--no-progress-bar", "--share-decoder-input-output-embed",
+]
+
+TINY_MT_ARGS = [
+    "--task", "translation", "--source-lang", "en", "--target-lang", "de",
+    "--arch", "transformer", "--encoder-layers", "1", "--decoder-layers", "1",
+    "--encoder-embed-dim", "32", "--decoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64",
+    "--decoder-ffn-embed-dim", "64", "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
+    "--share-all-embeddings", "--max-tokens", "600", "--optimizer", "adam", "--lr", "0.005",
+    "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "10", "--dropout", "0.0", "--seed", "1",
+    "--cpu", "--num-workers", "0", "--log-interval", "1", "--no-progress-bar",
+]
+
+
+def read_json_log(stdout_and_stderr):
+    """Parses the records of a --log-format json run: returns a list of dicts (train_inner etc.)."""
+    records = []
+    for line in stdout_and_stderr.splitlines():
+        start = line.find("{")
+        if start < 0:
+            continue
+        try:
+            rec = json.loads(line[start:])
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            records.append(rec)
+    return records
