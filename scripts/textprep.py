@@ -49,6 +49,8 @@ def spm_train(inputs, model_prefix, vocab_size, model_type="bpe", character_cove
     for path in inputs:
         if not os.path.isfile(path):
             _die(f"spm-train input not found: {path}")
+    # Sentence sampling and shuffling use this generator: a fixed seed gives the same model.
+    spm.set_random_generator_seed(seed)
     # Without a bound, sentencepiece loads every line; large WMT/WikiText corpora are sampled.
     spm.SentencePieceTrainer.train(
         input=",".join(inputs),
@@ -69,7 +71,6 @@ def spm_train(inputs, model_prefix, vocab_size, model_type="bpe", character_cove
         unk_id=0,
         unk_piece="<spm_unk>",
         minloglevel=2,
-        random_seed=seed,
     )
     return model_prefix + ".model"
 

@@ -27,6 +27,9 @@ bindir="$(dirname "$py")"
 textprep="$root/scripts/textprep.py"
 
 die() { echo "evaluate.sh: error: $*" >&2; exit 2; }
+# fairseq pickles its legacy config (argparse.Namespace) into checkpoints; torch >= 2.6 loads
+# with weights_only=True by default and refuses it. These are your own training outputs.
+export TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="${TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD:-1}"
 
 ckpts=""; prep="$root/data/wmt14_en_de"; num=5; kind=epoch; upper=""; subset=test
 beam=4; lenpen=0.6; bsz=100; out=""; extra=()
@@ -75,11 +78,14 @@ else
   "$bindir/fairseq-agg" average-checkpoints "${avg_args[@]}"
 fi
 
-# 2. Beam search on the binarised subset (pieces in, pieces out).
+# 2. Beam search on the binarised subset (pieces in, pieces out). The batch-size multiple of 1
+# matters: with fairseq's default of 8 this fairseq build drops a final batch of fewer than 8
+# sentences, and those test sentences would go unscored.
 echo "[evaluate] fairseq-generate --beam $beam --lenpen $lenpen on $subset"
 "$bindir/fairseq-generate" "$data" --user-dir "$root/fairseq_agg" --task translation \
   --source-lang en --target-lang de --path "$model" --gen-subset "$subset" \
-  --beam "$beam" --lenpen "$lenpen" --batch-size "$bsz" "${extra[@]}" > "$out/generate.out"
+  --beam "$beam" --lenpen "$lenpen" --batch-size "$bsz" --required-batch-size-multiple 1 \
+  "${extra[@]}" > "$out/generate.out"
 grep -E '^(Generate|BLEU)' "$out/generate.out" | tail -n 2 || true
 
 # 3. Sentencepiece decoding, in the original sentence order.

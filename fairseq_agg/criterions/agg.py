@@ -133,14 +133,16 @@ class AggCriterion(OutputLossCriterion):
         gates = self._last_gates
         if gates is None:
             return {}
-        rare = gates.rare
-        n_rare = int(rare.sum())
+        # tensors, not Python numbers: no device synchronisation; fairseq sums them after the step
+        rare = gates.rare.float()
+        n_rare = rare.sum()
+        denom = n_rare.clamp(min=1)
         return {
             "agg_steps": 1,
             "agg_rare": n_rare,
-            "agg_very_rare": int((gates.g2[rare] < 1).sum()) if n_rare else 0,
-            "agg_g1": float(gates.g1[rare].mean()) if n_rare else 1.0,
-            "agg_g2": float(gates.g2[rare].mean()) if n_rare else 1.0,
+            "agg_very_rare": ((gates.g2 < 1).float() * rare).sum(),
+            "agg_g1": torch.where(n_rare > 0, (gates.g1 * rare).sum() / denom, torch.ones_like(n_rare)),
+            "agg_g2": torch.where(n_rare > 0, (gates.g2 * rare).sum() / denom, torch.ones_like(n_rare)),
         }
 
     @classmethod

@@ -153,14 +153,14 @@ def agg_gates(
     * g2_k = min(c_k / (mean of c over the rare group + 1e-7), 1) on rare tokens, else 1.
     An empty rare group gives all-ones gates.
     """
+    # Masked arithmetic instead of boolean indexing: no host-device synchronisation per micro-batch.
     counts = counts.to(torch.float64)
     if threshold_mode == "per-update":
         if num_updates < 1:
             raise ValueError("num_updates must be >= 1")
         a = counts / num_updates
     elif threshold_mode == "relative":
-        total = counts.sum()
-        a = counts * (ref_tokens / total) if total > 0 else torch.zeros_like(counts)
+        a = counts * (ref_tokens / counts.sum().clamp(min=1.0))
     else:
         raise ValueError(f"unknown threshold mode {threshold_mode!r} (choose per-update or relative)")
     rare = a < alpha
@@ -172,9 +172,6 @@ def agg_gates(
         g1 = torch.where(rare, a / alpha, ones)
     else:
         raise ValueError(f"unknown g1 mode {g1_mode!r} (choose code or normalized)")
-    if rare.any():
-        mean_rare = counts[rare].mean()
-        g2 = torch.where(rare, torch.clamp(counts / (mean_rare + G2_EPS), max=1.0), ones)
-    else:
-        g2 = ones.clone()
+    mean_rare = (counts * rare).sum() / rare.sum().clamp(min=1)
+    g2 = torch.where(rare, torch.clamp(counts / (mean_rare + G2_EPS), max=1.0), ones)  # empty R: all ones
     return TokenGates(g1=g1.float(), g2=g2.float(), rare=rare)

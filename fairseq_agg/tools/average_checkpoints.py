@@ -50,9 +50,12 @@ def find_checkpoints(directory, num, kind, upper_bound=None):
 
 
 def _load(path):
-    # fairseq's loader upgrades old checkpoint layouts and reads the OmegaConf config safely.
+    # fairseq's loader upgrades old checkpoint layouts. fairseq stores the legacy model config as
+    # an argparse.Namespace, which torch >= 2.6 refuses to unpickle with weights_only=True unless
+    # it is allow-listed.
     from fairseq import checkpoint_utils
 
+    torch.serialization.add_safe_globals([argparse.Namespace])
     return checkpoint_utils.load_checkpoint_to_cpu(path)
 
 

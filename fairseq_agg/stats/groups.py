@@ -1,0 +1,167 @@
+"""Frequency groups and row selection for a fairseq dictionary (spec ``agg.md`` §8.2, §13).
+
+fairseq's ``Dictionary.finalize`` sorts the types by training-count after the ``nspecial``
+special symbols (``<s>``, ``<pad>``, ``</s>``, ``<unk>`` and any extra specials), so dictionary
+order is frequency order. ``fairseq-preprocess`` then pads the vocabulary to a multiple of 8
+with never-seen ``madeupwordNNNN`` types, which are never trained.
+
+Groups (names ``freq``, ``med``, ``rare``):
+
+* by fractions (default 30 % / 50 % / 20 %, the AGG paper's split) of the *eligible* types,
+  i.e. the non-special, non-``madeupword`` ones in dictionary order; the boundaries are
+  ``round(f1·n)`` and ``round((f1+f2)·n)`` for n eligible types;
+* preset ``wikitext103-official``: the official AGG evaluation's id ranges
+  [0, 13000), [13000, 36000), [36000, V), specials included, to reproduce it exactly.
+
+Row policies for matrix statistics: ``all``; ``no-pad-madeup`` (default: drops the zero-initialised
+padding row and the ``madeupword`` rows); ``no-special`` (also drops every special symbol).
+
+Only the dictionary's ``symbols``, ``count``, ``nspecial`` and ``pad()`` are used (duck typing), so
+this module does not import fairseq.
+"""
+import math
+import re
+from collections import OrderedDict
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+
+GROUP_NAMES = ("freq", "med", "rare")
+DEFAULT_FRACTIONS = (0.3, 0.5, 0.2)
+# preset name -> (first medium id, first rare id); from the official evaluation (agg.md §8.2)
+PRESETS = {"wikitext103-official": (13000, 36000)}
+ROW_POLICIES = ("all", "no-pad-madeup", "no-special")
+_MADEUP_RE = re.compile(r"^madeupword\d{4}$")
+# fairseq's default layout when no dictionary is at hand: <s>, <pad>, </s>, <unk>
+FAIRSEQ_NSPECIAL = 4
+FAIRSEQ_PAD = 1
+
+
+def parse_fractions(value, flag: str = "--embed-group-fractions") -> Tuple[float, float, float]:
+    """Parses "0.3,0.5,0.2" (or a 3-sequence) into three fractions that sum to 1."""
+    try:
+        parts = value.split(",") if isinstance(value, str) else list(value)
+        fr = tuple(float(p) for p in parts)
+    except (TypeError, ValueError):
+        raise ValueError(f"{flag}: expected three comma-separated numbers like 0.3,0.5,0.2, got {value!r}")
+    if len(fr) != 3 or any(not (0.0 <= f <= 1.0) for f in fr) or abs(sum(fr) - 1.0) > 1e-6:
+        raise ValueError(
+            f"{flag}: expected three fractions in [0, 1] (frequent, medium, rare) that sum to 1, got {value!r}"
+        )
+    return fr
+
+
+def _nspecial(dictionary) -> int:
+    return FAIRSEQ_NSPECIAL if dictionary is None else int(dictionary.nspecial)
+
+
+def _pad(dictionary) -> int:
+    return FAIRSEQ_PAD if dictionary is None else int(dictionary.pad())
+
+
+def madeupword_ids(dictionary):
+    """Ids of fairseq's vocabulary-padding types (``madeupword0000`` ...)."""
+    if dictionary is None:
+        return []
+    ns = _nspecial(dictionary)
+    return [i for i, s in enumerate(dictionary.symbols) if i >= ns and _MADEUP_RE.match(s)]
+
+
+def special_ids(dictionary):
+    """Ids of the special symbols: the first ``nspecial`` entries and the padding symbol."""
+    return sorted(set(range(_nspecial(dictionary))) | {_pad(dictionary)})
+
+
+def _size(dictionary, num_rows):
+    if dictionary is not None:
+        if num_rows is not None and num_rows != len(dictionary):
+            raise ValueError(f"the matrix has {num_rows} rows but the dictionary has {len(dictionary)} types")
+        return len(dictionary)
+    if num_rows is None:
+        raise ValueError("need a dictionary or num_rows")
+    return num_rows
+
+
+def row_mask(
+    dictionary=None,
+    policy: str = "no-pad-madeup",
+    exclude_unseen: bool = False,
+    num_rows: Optional[int] = None,
+    pad_index: Optional[int] = None,
+) -> torch.Tensor:
+    """Boolean [V] mask of the rows a matrix statistic uses (see the module docstring).
+
+    ``exclude_unseen`` also drops non-special types whose dictionary count is 0 (never seen in the
+    data the dictionary was built from). Without a dictionary, fairseq's default layout is assumed
+    (4 specials, padding id 1, or ``pad_index``) and no ``madeupword`` row can be recognised.
+    """
+    if policy not in ROW_POLICIES:
+        raise ValueError(f"row policy must be one of {', '.join(ROW_POLICIES)}, got {policy!r}")
+    V = _size(dictionary, num_rows)
+    mask = torch.ones(V, dtype=torch.bool)
+    if policy == "all":
+        return mask
+    pad = _pad(dictionary) if pad_index is None else pad_index
+    if 0 <= pad < V:
+        mask[pad] = False
+    mask[madeupword_ids(dictionary)] = False
+    if policy == "no-special":
+        mask[[i for i in special_ids(dictionary) if i < V]] = False
+    if exclude_unseen and dictionary is not None:
+        ns = _nspecial(dictionary)
+        unseen = [i for i, c in enumerate(dictionary.count) if i >= ns and c == 0]
+        mask[unseen] = False
+    return mask
+
+
+def select_rows(dictionary=None, policy="no-pad-madeup", exclude_unseen=False, num_rows=None, pad_index=None):
+    """Row ids (LongTensor) selected by :func:`row_mask`."""
+    return row_mask(dictionary, policy, exclude_unseen, num_rows, pad_index).nonzero().reshape(-1)
+
+
+def eligible_ids(dictionary=None, num_rows: Optional[int] = None) -> torch.Tensor:
+    """Non-special, non-``madeupword`` ids in dictionary (= frequency) order."""
+    V = _size(dictionary, num_rows)
+    mask = torch.ones(V, dtype=torch.bool)
+    mask[[i for i in special_ids(dictionary) if i < V]] = False
+    mask[madeupword_ids(dictionary)] = False
+    return mask.nonzero().reshape(-1)
+
+
+def _round_half_up(x: float) -> int:
+    return int(math.floor(x + 0.5))
+
+
+def frequency_groups(
+    dictionary=None,
+    fractions: Sequence[float] = DEFAULT_FRACTIONS,
+    preset: Optional[str] = None,
+    num_rows: Optional[int] = None,
+    flag: str = "--embed-group-preset",
+) -> "OrderedDict[str, torch.Tensor]":
+    """Frequency groups ``{"freq": ids, "med": ids, "rare": ids}`` (see the module docstring)."""
+    V = _size(dictionary, num_rows)
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ValueError(f"{flag}: unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+        b1, b2 = PRESETS[preset]
+        if V <= b2:
+            raise ValueError(
+                f"{flag} {preset} uses the id ranges [0,{b1}), [{b1},{b2}), [{b2},V) and needs a "
+                f"vocabulary of more than {b2} types; this one has {V}"
+            )
+        ids = torch.arange(V)
+        return OrderedDict(zip(GROUP_NAMES, (ids[:b1], ids[b1:b2], ids[b2:])))
+    f1, f2, _ = parse_fractions(fractions)
+    ids = eligible_ids(dictionary, V)
+    n = ids.numel()
+    b1, b2 = _round_half_up(f1 * n), _round_half_up((f1 + f2) * n)
+    return OrderedDict(zip(GROUP_NAMES, (ids[:b1], ids[b1:b2], ids[b2:])))
+
+
+def group_lookup(groups: Dict[str, torch.Tensor], num_rows: int) -> torch.Tensor:
+    """[V] long tensor: the position of each id's group in ``groups`` (``-1`` for none)."""
+    out = torch.full((num_rows,), -1, dtype=torch.long)
+    for k, ids in enumerate(groups.values()):
+        out[ids] = k
+    return out

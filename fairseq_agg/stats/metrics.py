@@ -1,0 +1,249 @@
+"""Token-embedding statistics as pure torch functions (no fairseq import).
+
+Every function takes an embedding matrix ``W`` of shape ``[V, d]`` (any dtype, any device) and an
+optional 1-D index tensor ``rows`` selecting the rows to use. Rows are processed in chunks, so no
+full-size float64 copy of ``W`` and no ``V x V`` matrix is ever built; low-precision weights are
+upcast chunk by chunk.
+
+* :func:`tev_stats` - token embedding variability (Chung et al., 2024, §2.1; spec
+  ``tev_mlra.md`` §2): TEV_i is the population std of row i over its d coordinates, in fp32;
+  µTEV / σTEV are its mean and population std over the rows.
+* :func:`isotropy` - I(W) = min_c Z(c) / max_c Z(c), Z(c) = Σ_i exp(cᵀw_i), C = unit eigenvectors
+  of WᵀW (Mu & Viswanath 2018; spec ``agg.md`` §8.1), float64 and log-sum-exp. The eigenvector
+  sign is arbitrary, so the headline value is the sign-symmetric form over C ∪ −C; the form as
+  returned by the eigensolver ("raw") and the sign-fixed form (cᵀ·mean(W) ≥ 0) are also given.
+* :func:`mean_pairwise_cosine` - mean over i ≠ j of cos(w_i, w_j) = (‖Σŵ_i‖² − Σ‖ŵ_i‖²) / (n(n−1))
+  (spec ``agg.md`` §8.8), exact and O(V·d).
+* :func:`embedding_spectrum` - singular values and right-singular directions (float64).
+* :func:`group_nll_sums` / :func:`perplexity` - per-frequency-group token NLL sums for PPL by group
+  (spec ``agg.md`` §8.3).
+"""
+import math
+from typing import Dict, NamedTuple, Optional
+
+import torch
+
+DEFAULT_CHUNK_ROWS = 8192
+
+
+def _check_matrix(W: torch.Tensor) -> None:
+    if not torch.is_tensor(W) or W.dim() != 2:
+        raise ValueError(f"expected a 2-D embedding matrix [V, d], got {getattr(W, 'shape', type(W))}")
+
+
+def _as_rows(W: torch.Tensor, rows: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if rows is None:
+        return None
+    rows = torch.as_tensor(rows, dtype=torch.long, device=W.device).reshape(-1)
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= W.size(0)):
+        raise ValueError(f"row index out of range for a matrix with {W.size(0)} rows")
+    return rows
+
+
+def _num_rows(W, rows) -> int:
+    return W.size(0) if rows is None else rows.numel()
+
+
+def _iter_chunks(W, rows, dtype, chunk_rows):
+    """Yields ``W[rows]`` in chunks of at most ``chunk_rows`` rows, cast to ``dtype``."""
+    n = _num_rows(W, rows)
+    for start in range(0, n, chunk_rows):
+        if rows is None:
+            block = W[start : start + chunk_rows]
+        else:
+            block = W.index_select(0, rows[start : start + chunk_rows])
+        yield block.detach().to(dtype)
+
+
+def _require_rows(W, rows, what):
+    if _num_rows(W, rows) == 0:
+        raise ValueError(f"{what}: no rows selected")
+
+
+@torch.no_grad()
+def tev_per_token(
+    W: torch.Tensor,
+    rows: Optional[torch.Tensor] = None,
+    scale: float = 1.0,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+) -> torch.Tensor:
+    """TEV_i = sqrt((1/d) Σ_j (e_ij − ē_i)²) of every selected row (fp32, population std)."""
+    _check_matrix(W)
+    rows = _as_rows(W, rows)
+    out = [
+        torch.std(block, dim=1, correction=0) * scale
+        for block in _iter_chunks(W, rows, torch.float32, chunk_rows)
+    ]
+    return torch.cat(out) if out else W.new_zeros(0, dtype=torch.float32)
+
+
+@torch.no_grad()
+def tev_stats(
+    W: torch.Tensor,
+    rows: Optional[torch.Tensor] = None,
+    scale: float = 1.0,
+    init_std: Optional[float] = None,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+) -> Dict[str, float]:
+    """µTEV, σTEV and µTEV / (init_std · scale) of the selected rows (spec tev_mlra.md §2.4).
+
+    ``scale`` multiplies the weights first (an embedding multiplier such as fairseq's
+    ``embed_scale``, to get the TEV of the *effective* embedding). ``init_std`` defaults to
+    fairseq's embedding init std d^-½; the ratio is then ≈ 1 at initialisation.
+    Returns ``{"mu", "sigma", "mu_over_init", "n"}``.
+    """
+    _check_matrix(W)
+    _require_rows(W, _as_rows(W, rows), "tev_stats")
+    tev = tev_per_token(W, rows, scale=scale, chunk_rows=chunk_rows).double()
+    if init_std is None:
+        init_std = W.size(1) ** -0.5
+    mu = tev.mean().item()
+    return {
+        "mu": mu,
+        "sigma": tev.std(correction=0).item(),
+        "mu_over_init": mu / (init_std * scale),
+        "n": tev.numel(),
+    }
+
+
+class Spectrum(NamedTuple):
+    """Eigen-decomposition of XᵀX for the selected rows X (float64)."""
+
+    singular_values: torch.Tensor  # [d], descending (sqrt of the eigenvalues of XᵀX); 0 beyond n
+    directions: torch.Tensor  # [d, d], row k = unit right-singular vector of singular value k
+    mean: torch.Tensor  # [d], mean row
+    n: int
+
+
+@torch.no_grad()
+def embedding_spectrum(
+    W: torch.Tensor, rows: Optional[torch.Tensor] = None, chunk_rows: int = DEFAULT_CHUNK_ROWS
+) -> Spectrum:
+    """Singular values / right-singular vectors of W[rows] from the d×d Gram matrix (float64).
+
+    The Gram matrix costs one O(n·d²) pass and keeps memory at O(d² + chunk·d); in float64 the
+    squared condition number costs accuracy only for singular values below ~1e-7·σ_max.
+    """
+    _check_matrix(W)
+    rows = _as_rows(W, rows)
+    _require_rows(W, rows, "embedding_spectrum")
+    d = W.size(1)
+    gram = torch.zeros(d, d, dtype=torch.float64, device=W.device)
+    total = torch.zeros(d, dtype=torch.float64, device=W.device)
+    for block in _iter_chunks(W, rows, torch.float64, chunk_rows):
+        gram.addmm_(block.t(), block)
+        total += block.sum(0)
+    evals, evecs = torch.linalg.eigh(gram)  # ascending
+    evals = evals.flip(0).clamp_min(0.0)
+    evecs = evecs.flip(1)
+    n = _num_rows(W, rows)
+    if n < d:
+        evals[n:] = 0.0  # rank <= n: the rest is round-off of the Gram matrix
+    return Spectrum(evals.sqrt(), evecs.t().contiguous(), total / n, n)
+
+
+def singular_values(W: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Descending singular values of W[rows] (float64)."""
+    return embedding_spectrum(W, rows).singular_values
+
+
+@torch.no_grad()
+def isotropy(
+    W: torch.Tensor,
+    rows: Optional[torch.Tensor] = None,
+    directions: Optional[torch.Tensor] = None,
+    spectrum: Optional[Spectrum] = None,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+) -> Dict[str, float]:
+    """Isotropy I(W) in three forms (spec agg.md §8.1), float64 and log-sum-exp.
+
+    ``directions`` ([k, d], rows = unit vectors) replaces the eigenvectors of WᵀW; with repeated
+    eigenvalues the eigenbasis is not unique, so tests pass the basis they reason about.
+    Returns ``{"isotropy" (sign-symmetric, C ∪ −C), "isotropy_raw" (C as given/returned),
+    "isotropy_fixed" (each c flipped so that cᵀ·mean(W) ≥ 0), "n"}``.
+    """
+    _check_matrix(W)
+    rows = _as_rows(W, rows)
+    _require_rows(W, rows, "isotropy")
+    if directions is None:
+        if spectrum is None:
+            spectrum = embedding_spectrum(W, rows, chunk_rows)
+        C, mean = spectrum.directions, spectrum.mean
+    else:
+        C = torch.as_tensor(directions, device=W.device).to(torch.float64)
+        if C.dim() != 2 or C.size(1) != W.size(1):
+            raise ValueError(f"directions must be [k, {W.size(1)}], got {tuple(C.shape)}")
+        mean = None
+    # log Z(c) = logsumexp_i cᵀw_i, accumulated over chunks; raw exp overflows for norms ~10
+    neg_inf = torch.full((C.size(0),), -math.inf, dtype=torch.float64, device=W.device)
+    log_zpos, log_zneg = neg_inf.clone(), neg_inf.clone()
+    total = torch.zeros(W.size(1), dtype=torch.float64, device=W.device)
+    for block in _iter_chunks(W, rows, torch.float64, chunk_rows):
+        proj = block @ C.t()  # [chunk, k], entry (i, j) = c_jᵀ w_i
+        log_zpos = torch.logaddexp(log_zpos, torch.logsumexp(proj, dim=0))
+        log_zneg = torch.logaddexp(log_zneg, torch.logsumexp(-proj, dim=0))
+        if mean is None:
+            total += block.sum(0)
+    if mean is None:
+        mean = total / _num_rows(W, rows)
+    both = torch.cat([log_zpos, log_zneg])
+    fixed = torch.where(C @ mean >= 0, log_zpos, log_zneg)
+    return {
+        "isotropy": math.exp((both.min() - both.max()).item()),
+        "isotropy_raw": math.exp((log_zpos.min() - log_zpos.max()).item()),
+        "isotropy_fixed": math.exp((fixed.min() - fixed.max()).item()),
+        "n": _num_rows(W, rows),
+    }
+
+
+@torch.no_grad()
+def mean_pairwise_cosine(
+    W: torch.Tensor, rows: Optional[torch.Tensor] = None, chunk_rows: int = DEFAULT_CHUNK_ROWS
+) -> float:
+    """Mean of cos(w_i, w_j) over ordered pairs i ≠ j, exact, without a V×V matrix (agg.md §8.8).
+
+    With unit rows ŵ_i and s = Σ ŵ_i: Σ_{i≠j} ŵ_iᵀŵ_j = ‖s‖² − Σ‖ŵ_i‖². A zero row (fairseq's
+    padding row) has no direction; it counts as cosine 0 with every other row.
+    """
+    _check_matrix(W)
+    rows = _as_rows(W, rows)
+    n = _num_rows(W, rows)
+    if n < 2:
+        raise ValueError("mean_pairwise_cosine: need at least two rows")
+    s = torch.zeros(W.size(1), dtype=torch.float64, device=W.device)
+    sq = torch.zeros((), dtype=torch.float64, device=W.device)
+    for block in _iter_chunks(W, rows, torch.float64, chunk_rows):
+        norms = block.norm(dim=1, keepdim=True)
+        unit = torch.where(norms > 0, block / norms.clamp_min(1e-300), torch.zeros_like(block))
+        s += unit.sum(0)
+        sq += (unit * unit).sum()
+    return ((s @ s - sq) / (n * (n - 1))).item()
+
+
+def group_nll_sums(
+    nll: torch.Tensor, target: torch.Tensor, group_of_token: torch.Tensor, num_groups: int
+):
+    """Per-group sums of token NLL and token counts.
+
+    ``nll`` and ``target`` are 1-D (padding already removed); ``group_of_token`` is a [V] long
+    tensor mapping a token id to its group (``-1``: in no group). Returns float64 ``(sums, counts)``
+    of shape [num_groups]; the caller adds them over batches.
+    """
+    nll = nll.reshape(-1).double()
+    target = target.reshape(-1)
+    if nll.numel() != target.numel():
+        raise ValueError("nll and target must have the same number of tokens")
+    g = group_of_token.to(target.device)[target]
+    keep = g >= 0
+    g = g[keep]
+    sums = torch.zeros(num_groups, dtype=torch.float64, device=nll.device)
+    sums.index_add_(0, g, nll[keep])
+    counts = torch.bincount(g, minlength=num_groups).double()
+    return sums, counts
+
+
+def perplexity(nll_sum: float, count: float) -> Optional[float]:
+    """exp(mean NLL in nats) = 2^(mean base-2 loss), fairseq's ``ppl``; None without tokens."""
+    if count <= 0:
+        return None
+    return math.exp(nll_sum / count)

@@ -1,0 +1,582 @@
+#!/usr/bin/env python
+"""Benchmark of the output layer + loss: fairseq's stock criteria vs this package's fused function.
+
+Times forward+backward through the output projection and the loss (median of interleaved repeats
+after warm-up) and measures the step's peak memory for
+
+  (a) stock   fairseq ``label_smoothed_cross_entropy`` on full logits (eps = 0.1):
+              ``lprobs = log_softmax(H @ W.T, float32)`` + fairseq's ``label_smoothed_nll_loss``
+  (b) agg     AGG through ``fused_linear_loss`` with realistic gates (Zipfian targets and window
+              counts; histogram + ``agg_gates`` inside the timed region), eps = 0.1
+  (c) ref     the reference three-CE AGG construction (``reference_output_loss``), eps = 0.1
+  (d) al      augmented loss through ``fused_linear_loss`` (alpha = 0.5, tau = 10, scale tau;
+              per-type teacher built by ``build_teacher`` inside the timed region), eps = 0
+  (e) ce      stock fairseq ``cross_entropy`` (eps = 0) on full logits: the baseline of (d)
+  (f) al_ref  direct AL on a materialised N x V teacher (``reference_teacher`` + KL by definition)
+
+and prints the ratios against the targets of issues 2 and 4 (AGG <= 1.05x stock time and
+<= 1.0x stock peak memory; AL <= 1.15x CE time and no extra N x V tensor).
+
+Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` above the step's start. On CPU, the
+default (``--memory profiler``) replays the allocation trace of ``torch.profiler`` (profile_memory=
+True: every allocation/free of torch's CPU allocator, with its size and time) and takes the maximum
+of the running sum of live bytes above the step's start; ``--memory rss`` instead runs each variant
+in a fresh subprocess (glibc malloc forced to mmap every block >= 64 KiB, so freed tensors leave the
+RSS) and reads the peak RSS (VmHWM, reset through /proc/self/clear_refs) above the RSS at the step's
+start. Both count the gradients H.grad and W.grad that the step leaves behind.
+
+Examples:
+  OMP_NUM_THREADS=2 python scripts/bench_criterion.py                 # N=4096, d=512, V=32768, fp32 CPU
+  python scripts/bench_criterion.py --quick                           # small shapes, a smoke test
+  python scripts/bench_criterion.py --chunk-sizes 512,1024,2048,4096  # chunk-size sweep of (b), (d)
+  python scripts/bench_criterion.py --device cuda --dtype bf16        # with a GPU
+  python scripts/bench_criterion.py --profile agg                     # where the time goes
+"""
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from fairseq import utils as fairseq_utils
+from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
+
+from fairseq_agg.ops.augmented import aug_scale_factor, build_teacher
+from fairseq_agg.ops.fused_linear_loss import fused_linear_loss
+from fairseq_agg.ops.rare_tokens import agg_gates, target_histogram
+from fairseq_agg.ops.reference import kl_to_teacher, reference_output_loss, reference_teacher
+
+PAD = 1  # fairseq's padding index; <s>=0, <pad>=1, </s>=2, <unk>=3
+NSPECIAL = 4
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MIB = 2.0**20
+
+LABELS = {
+    "stock": "(a) stock label_smoothed_cross_entropy, full logits",
+    "agg": "(b) AGG, fused_linear_loss + gates",
+    "ref": "(c) AGG reference, three CE terms",
+    "al": "(d) AL, fused_linear_loss + build_teacher",
+    "ce": "(e) stock cross_entropy, full logits",
+    "al_ref": "(f) AL direct, materialised teacher",
+}
+ALL_VARIANTS = list(LABELS)
+
+
+# --------------------------------------------------------------------------- problem setup
+class Problem:
+    """Inputs shared by all variants: H (N x d), W (V x d), Zipfian targets and window counts."""
+
+    def __init__(self, args):
+        self.args = args
+        self.device = torch.device(args.device)
+        self.dtype = DTYPES[args.dtype]
+        g = torch.Generator().manual_seed(args.seed)
+        n, d, v = args.tokens, args.dim, args.vocab
+        # Zipf over the real-word ids (fairseq dictionaries are sorted by frequency).
+        ranks = torch.arange(1, v - NSPECIAL + 1, dtype=torch.float64)
+        probs = ranks.pow(-args.zipf)
+        probs /= probs.sum()
+        self.unigram = torch.cat([torch.zeros(NSPECIAL, dtype=torch.float64), probs])
+        self.unigram[2] = 0.0  # </s> could be frequent; keep it simple: specials never targets
+        # Window counts: K previous updates of `tokens_per_update` tokens each (Poisson counts).
+        self.window_updates = args.window_updates
+        self.window_counts = torch.poisson(
+            self.unigram * (args.window_updates * args.tokens_per_update), generator=g
+        ).to(torch.int64)
+        self.target = torch.multinomial(self.unigram.float(), n, replacement=True, generator=g).to(self.device)
+        # fairseq's init of embeddings / output projections: N(0, d^-1/2); features ~ layer-normed.
+        self.weight0 = (torch.randn(v, d, generator=g) * d**-0.5).to(self.device, self.dtype)
+        self.hidden0 = torch.randn(n, d, generator=g).to(self.device, self.dtype)
+        self.coef = args.aug_alpha * aug_scale_factor(args.aug_scale, args.aug_temperature)
+        self.new_leaves()
+
+        gates = self.gates()
+        rare_t = gates.rare[self.target]
+        self.stats = {
+            "rare_types": int(gates.rare.sum()),
+            "rare_type_frac": float(gates.rare.float().mean()),
+            "rare_target_frac": float(rare_t.float().mean()),
+            "very_rare_target_frac": float((rare_t & (gates.g2[self.target] < 1)).float().mean()),
+            "unique_targets": int(torch.unique(self.target).numel()),
+        }
+
+    def new_leaves(self):
+        self.hidden = self.hidden0.clone().requires_grad_(True)
+        self.weight = self.weight0.clone().requires_grad_(True)
+
+    def clear_grads(self):
+        self.hidden.grad = None
+        self.weight.grad = None
+
+    def gates(self):
+        """What the AGG criterion does per micro-batch: histogram into the window, then the gates."""
+        hist = target_histogram(self.target, self.args.vocab)
+        counts = self.window_counts.to(hist.device) + hist
+        gates = agg_gates(counts, self.window_updates + 1, self.args.agg_alpha, NSPECIAL)
+        gates.g1 = gates.g1.to(self.device)
+        gates.g2 = gates.g2.to(self.device)
+        gates.rare = gates.rare.to(self.device)
+        return gates
+
+
+# --------------------------------------------------------------------------- the variants
+def stock_logits(p):
+    # fairseq: decoder.output_layer = F.linear(features, W); model.get_normalized_probs ->
+    # utils.log_softmax(logits, dim=-1) which is F.log_softmax(..., dtype=torch.float32).
+    logits = F.linear(p.hidden, p.weight)
+    return fairseq_utils.log_softmax(logits, dim=-1)
+
+
+def run_stock(p, chunk):
+    lprobs = stock_logits(p)
+    loss, _nll = label_smoothed_nll_loss(lprobs, p.target, p.args.label_smoothing, ignore_index=PAD, reduce=True)
+    loss.backward()
+    return loss.detach()
+
+
+def run_ce(p, chunk):
+    # fairseq/criterions/cross_entropy.py: F.nll_loss(lprobs, target, ignore_index=pad, reduction="sum")
+    lprobs = stock_logits(p)
+    loss = F.nll_loss(lprobs, p.target, ignore_index=PAD, reduction="sum")
+    loss.backward()
+    return loss.detach()
+
+
+def run_agg(p, chunk):
+    gates = p.gates()
+    loss, _nll, _ = fused_linear_loss(p.hidden, p.weight, p.target, p.args.label_smoothing, gates=gates, chunk_size=chunk)
+    loss.backward()
+    return loss.detach()
+
+
+def run_ref(p, chunk):
+    gates = p.gates()
+    loss, _nll, _ = reference_output_loss(p.hidden, p.weight, p.target, p.args.label_smoothing, gates=gates)
+    loss.backward()
+    return loss.detach()
+
+
+def run_al(p, chunk):
+    teacher = build_teacher(p.weight.detach(), p.target, p.args.aug_temperature, p.coef, masked_columns=[PAD])
+    loss, _nll, _ = fused_linear_loss(p.hidden, p.weight, p.target, 0.0, teacher=teacher, chunk_size=chunk)
+    loss.backward()
+    return loss.detach()
+
+
+def run_al_ref(p, chunk):
+    teacher = reference_teacher(p.weight.detach(), p.target, p.args.aug_temperature, masked_columns=[PAD])
+    logits = F.linear(p.hidden, p.weight)
+    lprobs = fairseq_utils.log_softmax(logits, dim=-1)
+    loss = F.nll_loss(lprobs, p.target, ignore_index=PAD, reduction="sum")
+    loss = loss + p.coef * kl_to_teacher(logits, teacher, p.args.aug_temperature)
+    loss.backward()
+    return loss.detach()
+
+
+RUNNERS = {"stock": run_stock, "agg": run_agg, "ref": run_ref, "al": run_al, "ce": run_ce, "al_ref": run_al_ref}
+FUSED = ("agg", "al")
+
+
+def key_of(name, chunk):
+    return f"{name}@{chunk}" if name in FUSED else name
+
+
+def parse_key(key):
+    name, _, chunk = key.partition("@")
+    return name, (int(chunk) if chunk else None)
+
+
+# --------------------------------------------------------------------------- measurement
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_once(p, key):
+    name, chunk = parse_key(key)
+    p.clear_grads()
+    return RUNNERS[name](p, chunk or p.args.chunk_size)
+
+
+def time_once(p, key):
+    p.clear_grads()
+    gc.collect()
+    sync(p.device)
+    t0, c0 = time.perf_counter(), time.process_time()
+    run_once(p, key)
+    sync(p.device)
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def measure_times(p, keys, warmup, repeats, log):
+    """Wall-clock and process CPU seconds (all threads) of every step, per variant."""
+    for w in range(warmup):
+        for key in keys:
+            t, c = time_once(p, key)
+            log(f"  warm-up {w + 1}/{warmup} {key:<10s} {t * 1e3:9.1f} ms wall {c * 1e3:9.1f} ms cpu")
+    times = {k: [] for k in keys}
+    cpu = {k: [] for k in keys}
+    for r in range(repeats):
+        order = keys[r % len(keys):] + keys[: r % len(keys)]  # rotate the order every round
+        for key in order:
+            t, c = time_once(p, key)
+            times[key].append(t)
+            cpu[key].append(c)
+        log(f"  round {r + 1}/{repeats} wall/cpu ms: " + "  ".join(
+            f"{k}={times[k][-1] * 1e3:.0f}/{cpu[k][-1] * 1e3:.0f}" for k in keys))
+    p.clear_grads()
+    return times, cpu
+
+
+def peak_profiler(p, key):
+    """Peak live bytes of torch's CPU allocator during one step, above the step's start."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    p.clear_grads()
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run_once(p, key)
+    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    records.sort(key=lambda e: e.start_ns())
+    host = (DeviceType.CPU, DeviceType.MKLDNN, DeviceType.IDEEP)
+    live = peak = 0
+    for e in records:
+        if e.device_type() in host:
+            live += e.nbytes()
+            peak = max(peak, live)
+    p.clear_grads()
+    return peak
+
+
+def peak_cuda(p, key):
+    p.clear_grads()
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    run_once(p, key)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    p.clear_grads()
+    return peak
+
+
+def _proc_status_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def rss_child(args):
+    """Runs in a fresh process: one warm-up step, then the peak RSS increase of one more step."""
+    p = Problem(args)
+    key = args.rss_child
+    run_once(p, key)  # warm-up: thread pools, kernel caches, lazy initialisation
+    p.clear_grads()
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    base = _proc_status_kib("VmRSS")
+    run_once(p, key)
+    peak = _proc_status_kib("VmHWM")
+    print(json.dumps({"key": key, "peak_bytes": (peak - base) * 1024}))
+
+
+def peak_rss(args, key):
+    cmd = [sys.executable, os.path.abspath(__file__), "--rss-child", key] + child_argv(args)
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["peak_bytes"]
+
+
+def child_argv(args):
+    argv = []
+    for name in ("tokens", "dim", "vocab", "dtype", "device", "seed", "zipf", "agg_alpha", "label_smoothing",
+                 "aug_alpha", "aug_temperature", "aug_scale", "window_updates", "tokens_per_update", "chunk_size"):
+        argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return argv
+
+
+# --------------------------------------------------------------------------- checks and profiling
+def sanity_check(p, keys, log):
+    """The variants compute the same thing: compares the losses and the gradients pairwise."""
+    out = {}
+    for key in keys:
+        loss = run_once(p, key)
+        out[key] = (float(loss), p.hidden.grad.detach().float().clone(), p.weight.grad.detach().float().clone())
+    p.clear_grads()
+
+    def rel(a, b):
+        return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+    pairs = []
+    names = {parse_key(k)[0]: k for k in keys}
+    if "agg" in names and "ref" in names:
+        pairs.append((names["agg"], names["ref"], "loss, dH, dW"))
+    if "agg" in names and "stock" in names:
+        pairs.append((names["agg"], names["stock"], "loss, dH (dW differs: gated)"))
+    if "al" in names and "al_ref" in names:
+        pairs.append((names["al"], names["al_ref"], "loss, dH, dW"))
+    lines = []
+    for a, b, what in pairs:
+        la, ha, wa = out[a]
+        lb, hb, wb = out[b]
+        msg = f"{a} vs {b}: loss rel {abs(la - lb) / abs(lb):.1e}, dH rel {rel(ha, hb):.1e}"
+        if "dW," in what or what.endswith("dW"):
+            msg += f", dW rel {rel(wa, wb):.1e}"
+        lines.append(msg)
+    for line in lines:
+        log("  " + line)
+    return lines
+
+
+def profile_variant(p, key, rows):
+    from torch.profiler import ProfilerActivity, profile
+
+    run_once(p, key)  # warm
+    p.clear_grads()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if p.device.type == "cuda" else [])
+    with profile(activities=acts, record_shapes=True) as prof:
+        run_once(p, key)
+        sync(p.device)
+    p.clear_grads()
+    sort = "self_cuda_time_total" if p.device.type == "cuda" else "self_cpu_time_total"
+    print(f"\n=== torch.profiler: {key} (sorted by {sort}) ===")
+    print(prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=rows, max_name_column_width=40))
+
+
+# --------------------------------------------------------------------------- report
+def fmt_ratio(x):
+    return f"{x:.3f}x"
+
+
+def verdict(ok):
+    return "PASS" if ok else "MISS"
+
+
+def report(args, p, keys, times, cpu, peaks, mem_method, checks):
+    n, d, v = args.tokens, args.dim, args.vocab
+    med = {k: statistics.median(ts) for k, ts in times.items()}
+    med_cpu = {k: statistics.median(ts) for k, ts in cpu.items()}
+
+    def paired(a, b):  # median over rounds of the per-round ratio (same round = same machine load)
+        return statistics.median(x / y for x, y in zip(times[a], times[b]))
+
+    lines = []
+    lines.append(
+        f"shapes: N={n} target tokens, d={d}, V={v}, dtype={args.dtype}, device={args.device}, "
+        f"threads={torch.get_num_threads()}, torch {torch.__version__}, chunk size {args.chunk_size}"
+    )
+    s = p.stats
+    lines.append(
+        f"targets: Zipf s={args.zipf}; AGG alpha={args.agg_alpha}, window {args.window_updates} updates x "
+        f"{args.tokens_per_update} tokens -> {s['rare_types']} rare types ({100 * s['rare_type_frac']:.1f}% of V), "
+        f"{100 * s['rare_target_frac']:.1f}% of targets rare, {100 * s['very_rare_target_frac']:.1f}% with g2<1; "
+        f"{s['unique_targets']} unique targets (teacher {s['unique_targets'] * v * 4 / MIB:.0f} MiB fp32)"
+    )
+    lines.append(
+        f"label smoothing {args.label_smoothing} for (a)-(c); AL alpha={args.aug_alpha}, tau={args.aug_temperature}, "
+        f"scale {args.aug_scale} (coef {p.coef:g}), eps 0 for (d)-(f)"
+    )
+    lines.append(
+        f"time: median of {args.repeats} interleaved rounds after {args.warmup} warm-up rounds, wall clock "
+        f"(PASS/MISS) and process CPU time of all threads (robust to other load on the machine)"
+    )
+    lines.append(f"peak memory: {mem_method}")
+    lines.append(f"one N x V fp32 tensor = {n * v * 4 / MIB:.0f} MiB")
+    lines.append("")
+    head = f"{'variant':<55s} {'wall ms':>9s} {'min ms':>9s} {'cpu ms':>9s} {'peak MiB':>9s}"
+    lines.append(head)
+    lines.append("-" * len(head))
+    for key in keys:
+        name, chunk = parse_key(key)
+        label = LABELS[name] + (f" [chunk {chunk}]" if chunk else "")
+        pk = f"{peaks[key] / MIB:9.0f}" if key in peaks else f"{'-':>9s}"
+        lines.append(
+            f"{label:<55s} {med[key] * 1e3:9.1f} {min(times[key]) * 1e3:9.1f} {med_cpu[key] * 1e3:9.1f} {pk}"
+        )
+    lines.append("")
+
+    head = f"{'ratio':<40s} {'wall':>8s} {'paired':>8s} {'cpu':>8s} {'memory':>8s}   {'target':<44s} result"
+    lines.append(head)
+    lines.append("-" * len(head))
+
+    def row(label, a, b, target_t=None, target_m=None, mem_note=None):
+        rt = med[a] / med[b]
+        rm = peaks[a] / peaks[b] if a in peaks and b in peaks and peaks[b] > 0 else None
+        res, tgt = [], []
+        if target_t is not None:
+            tgt.append(f"time <= {target_t:.2f}x")
+            res.append(verdict(rt <= target_t))
+        if target_m is not None and rm is not None:
+            tgt.append(f"mem <= {target_m:.2f}x")
+            res.append(verdict(rm <= target_m))
+        if mem_note is not None:
+            tgt.append(mem_note[0])
+            res.append(verdict(mem_note[1]))
+        rms = fmt_ratio(rm) if rm is not None else "-"
+        lines.append(
+            f"{label:<40s} {fmt_ratio(rt):>8s} {fmt_ratio(paired(a, b)):>8s} {fmt_ratio(med_cpu[a] / med_cpu[b]):>8s} "
+            f"{rms:>8s}   "
+            f"{(', '.join(tgt) or 'info'):<44s} {' '.join(res)}"
+        )
+
+    have = set(keys)
+    chunks = sorted({parse_key(k)[1] for k in keys if parse_key(k)[1]})
+    for c in chunks:
+        tag = f" [chunk {c}]" if len(chunks) > 1 else ""
+        if f"agg@{c}" in have and "stock" in have:
+            row(f"AGG / stock{tag}", f"agg@{c}", "stock", 1.05, 1.0)
+    if "ref" in have and "stock" in have:
+        row("reference AGG / stock", "ref", "stock")
+    if "ref" in have and f"agg@{args.chunk_size}" in have:
+        row("AGG / reference AGG", f"agg@{args.chunk_size}", "ref")
+    for c in chunks:
+        tag = f" [chunk {c}]" if len(chunks) > 1 else ""
+        a = f"al@{c}"
+        if a in have and "ce" in have:
+            note = None
+            if a in peaks and "ce" in peaks:
+                extra = peaks[a] - peaks["ce"]
+                note = (f"AL-CE peak {extra / MIB:+.0f} MiB < 1 NxV", extra < n * v * 4)
+            row(f"AL / CE{tag}", a, "ce", 1.15, None, note)
+    if "al_ref" in have and "ce" in have:
+        row("direct AL (materialised) / CE", "al_ref", "ce")
+    if "ce" in have and "stock" in have:
+        row("stock CE / stock label-smoothed CE", "ce", "stock")
+    if checks:
+        lines.append("")
+        lines.append("equivalence checks (fp32 expected ~1e-6; agg vs stock dW is gated, not compared):")
+        lines += ["  " + c for c in checks]
+    return "\n".join(lines), med
+
+
+# --------------------------------------------------------------------------- main
+def build_parser():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=4096, help="N, target tokens in the batch (default 4096)")
+    ap.add_argument("--dim", type=int, default=512, help="d, decoder output width (default 512)")
+    ap.add_argument("--vocab", type=int, default=32768, help="V, vocabulary size (default 32768)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--quick", action="store_true", help="small shapes (N=1024, d=256, V=8192), 2+3 rounds")
+    ap.add_argument("--warmup", type=int, default=2, help="warm-up rounds (every variant once per round)")
+    ap.add_argument("--repeats", type=int, default=7, help="timed rounds (every variant once per round)")
+    ap.add_argument("--chunk-size", type=int, default=2048, help="chunk of the fused function (criterion default 2048)")
+    ap.add_argument("--chunk-sizes", default=None, help="comma-separated sweep of chunk sizes for (b) and (d)")
+    ap.add_argument("--variants", default=",".join(ALL_VARIANTS), help=f"subset of {','.join(ALL_VARIANTS)}")
+    ap.add_argument("--memory", choices=["auto", "profiler", "rss", "none"], default="auto",
+                    help="peak-memory method (auto: cuda allocator stats on CUDA, profiler on CPU)")
+    ap.add_argument("--no-check", action="store_true", help="skip the loss/gradient equivalence check")
+    ap.add_argument("--profile", default=None, help="comma-separated variants to profile with torch.profiler")
+    ap.add_argument("--profile-rows", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of the target distribution")
+    ap.add_argument("--agg-alpha", type=float, default=0.08, help="AGG rarity threshold (MT recipe 0.08)")
+    ap.add_argument("--label-smoothing", type=float, default=0.1)
+    ap.add_argument("--window-updates", type=int, default=200, help="updates in the AGG count window")
+    ap.add_argument("--tokens-per-update", type=int, default=None, help="tokens per update in the window (default N)")
+    ap.add_argument("--aug-alpha", type=float, default=0.5)
+    ap.add_argument("--aug-temperature", type=float, default=10.0)
+    ap.add_argument("--aug-scale", choices=["none", "tau", "tau2"], default="tau", help="criterion default: tau")
+    ap.add_argument("--json", default=None, help="also write the raw measurements to this file")
+    ap.add_argument("--quiet", action="store_true", help="no per-round progress lines")
+    ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.tokens, args.dim, args.vocab = 1024, 256, 8192
+        args.warmup, args.repeats = min(args.warmup, 1), min(args.repeats, 3)
+    if args.tokens_per_update is None:
+        args.tokens_per_update = args.tokens
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("--device cuda: no CUDA device available")
+    if args.dtype != "fp32" and args.device == "cpu":
+        print("note: bf16/fp16 on CPU is supported but slow and not what the targets are about", file=sys.stderr)
+    if args.rss_child:
+        return rss_child(args)
+
+    log = (lambda *_: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in RUNNERS]
+    if unknown:
+        sys.exit(f"unknown variants {unknown}; choose from {ALL_VARIANTS}")
+    chunks = [args.chunk_size]
+    if args.chunk_sizes:
+        chunks = sorted({int(c) for c in args.chunk_sizes.split(",")} | {args.chunk_size})
+    keys = []
+    for name in variants:
+        keys += [key_of(name, c) for c in chunks] if name in FUSED else [name]
+
+    p = Problem(args)
+    mem_method = args.memory
+    if mem_method == "auto":
+        mem_method = "cuda" if p.device.type == "cuda" else "profiler"
+    mem_desc = {
+        "cuda": "torch.cuda.max_memory_allocated() above the step's start",
+        "profiler": "torch.profiler allocation trace (profile_memory=True): max live torch CPU bytes above the step's start",
+        "rss": "fresh subprocess per variant: peak RSS (VmHWM after clear_refs) above the RSS at the step's start, "
+        "MALLOC_MMAP_THRESHOLD_=64KiB",
+        "none": "not measured",
+    }[mem_method]
+
+    log(f"setup: N={args.tokens} d={args.dim} V={args.vocab} {args.dtype} {args.device}, variants {keys}")
+    checks = []
+    if not args.no_check:
+        log("equivalence check:")
+        checks = sanity_check(p, [k for k in keys if parse_key(k)[1] in (None, args.chunk_size)], log)
+    log("timing:")
+    times, cpu = measure_times(p, keys, args.warmup, args.repeats, log)
+    peaks = {}
+    if mem_method != "none":
+        log(f"peak memory ({mem_method}):")
+        for key in keys:
+            if mem_method == "cuda":
+                peaks[key] = peak_cuda(p, key)
+            elif mem_method == "profiler":
+                peaks[key] = peak_profiler(p, key)
+            else:
+                peaks[key] = peak_rss(args, key)
+            log(f"  {key:<10s} {peaks[key] / MIB:8.0f} MiB")
+    text, med = report(args, p, keys, times, cpu, peaks, mem_desc, checks)
+    print(text)
+    if args.profile:
+        for name in args.profile.split(","):
+            name = name.strip()
+            profile_variant(p, key_of(name, args.chunk_size), args.profile_rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "args": vars(args),
+                    "stats": p.stats,
+                    "times_s": times,
+                    "cpu_s": cpu,
+                    "median_s": med,
+                    "peak_bytes": peaks,
+                    "memory_method": mem_desc,
+                    "checks": checks,
+                    "platform": platform.platform(),
+                    "torch": torch.__version__,
+                    "threads": torch.get_num_threads(),
+                },
+                f,
+                indent=2,
+            )
+
+
+if __name__ == "__main__":
+    main()
