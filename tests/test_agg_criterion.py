@@ -5,7 +5,6 @@ The criterion is built through fairseq's registry, with real ``language_modeling
 dummy batches, validation) or by a real ``fairseq-train --update-freq 2`` subprocess.
 """
 import math
-import os
 
 import numpy as np
 import pytest

@@ -3,7 +3,6 @@
 The ring buffer is checked against brute-force counts over the last K updates, kept here as a plain
 list of per-update histograms; the gates against values computed by hand.
 """
-import io
 import os
 
 import numpy as np

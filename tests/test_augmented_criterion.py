@@ -113,8 +113,9 @@ def test_registered_with_the_spec_defaults(lm):
     _, _, _, criterion, _ = lm
     assert isinstance(criterion, AugmentedLossCriterion)
     cfg = criterion.cfg
-    assert (cfg.aug_alpha, cfg.aug_temperature, cfg.aug_scale, cfg.aug_detach_target) == (0.5, 10.0, "tau", True)
-    assert (cfg.aug_embed, cfg.aug_mask_special, cfg.aug_warmup_updates) == ("input", True, 0)
+    assert (cfg.aug_alpha, cfg.aug_temperature, cfg.aug_scale) == (0.5, 10.0, "tau")
+    assert (cfg.aug_embed, cfg.aug_warmup_updates, cfg.aug_gate_with_agg) == ("input", 0, False)
+    # the detached teacher and the masked columns are the defaults: see the reference and flag tests
     assert cfg.label_smoothing == 0.0 and cfg.aug_chunk_tokens == 2048 and criterion.chunk_size == 2048
 
 
@@ -156,6 +157,41 @@ def test_adaptive_input_is_refused_in_process(lm_data_bin):
     )
     with pytest.raises(ValueError, match="--adaptive-input is not supported"):
         criterion(model, first_batch(task))
+
+
+def criterion_or_none(task, data, flags):
+    """The criterion, or None when argparse rejects the flags (a spelling that is not a flag at all)."""
+    try:
+        return criterion_for(task, data, TINY_LM_ARGS, ["--criterion", "augmented_loss"] + flags)
+    except SystemExit:
+        return None
+
+
+def pad_teacher_mass(crit, model, task, sample):
+    target = sample["target"].reshape(-1)
+    target = target[target.ne(task.target_dictionary.pad())]
+    return crit.build_teacher(model, target).probs[:, task.target_dictionary.pad()]
+
+
+def test_mask_special_flag_spelling(lm):
+    """Masking is the default; ``--no-aug-mask-special`` turns it off; the positive spelling never does."""
+    data, task, model, criterion, sample = lm
+    assert torch.all(pad_teacher_mass(criterion, model, task, sample) == 0)
+    off = criterion_for(task, data, TINY_LM_ARGS, ["--criterion", "augmented_loss", "--no-aug-mask-special"])
+    assert torch.all(pad_teacher_mass(off, model, task, sample) > 0)
+    on = criterion_or_none(task, data, ["--aug-mask-special"])
+    assert on is None or torch.all(pad_teacher_mass(on, model, task, sample) == 0)
+
+
+def test_detach_flag_spelling(lm):
+    """``--aug-detach-target`` (the spec's "on" spelling) must never turn detaching *off*."""
+    data, task, model, criterion, sample = lm
+    explicit = criterion_or_none(task, data, ["--aug-detach-target"])
+    if explicit is not None:
+        loss_a, _, _, grads_a = loss_and_grads(model, criterion, sample)
+        loss_b, _, _, grads_b = loss_and_grads(model, explicit, sample)
+        assert float(loss_a) == float(loss_b)
+        assert_grads_close(grads_b, grads_a, 0.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -347,7 +383,7 @@ def test_agg_plus_augmented_loss_gates_the_ce_part_only(mt):
 
 def stock_checkpoint(path, criterion_cfg):
     """The same checkpoint with the plugin removed from its config: a stock criterion, no --user-dir."""
-    state = torch.load(path, map_location="cpu")  # fairseq saves a plain container config
+    state = torch.load(path, map_location="cpu", weights_only=False)  # our own file; cfg is a plain container
     state["cfg"]["criterion"] = criterion_cfg
     state["cfg"]["common"]["user_dir"] = None
     out = path.replace(".pt", "_stock.pt")
@@ -408,9 +444,12 @@ def test_end_to_end_mt_label_smoothed(mt_data_bin, tmp_path):
         os.path.join(save, "checkpoint_last.pt"),
         {"_name": "label_smoothed_cross_entropy", "label_smoothing": 0.1, "sentence_avg": False},
     )
+    # --user-dir only because fairseq saves the legacy ``transformer``'s argparse.Namespace in the
+    # checkpoint, which torch >= 2.6 refuses to unpickle unless allowed (the plugin does that on
+    # import); the criterion and model come from the checkpoint: stock fairseq code.
     ev = run_cli(
         "fairseq-validate",
-        [mt_data_bin, "--path", stock, "--task", "translation", "--source-lang", "en", "--target-lang", "de",
+        [mt_data_bin, "--user-dir", USER_DIR, "--path", stock, "--task", "translation", "--source-lang", "en", "--target-lang", "de",
          "--max-tokens", "600", "--cpu", "--num-workers", "0", "--log-format", "json"],
     )
     stock_valid = valid_record(ev.stdout + ev.stderr)
@@ -425,10 +464,9 @@ def test_end_to_end_mt_label_smoothed(mt_data_bin, tmp_path):
     "flags, message",
     [
         (["--aug-alpha", "-1"], "--aug-alpha must be >= 0"),
-        (["--aug-temperature", "0"], "--aug-temperature must be > 0"),
         (["--adaptive-softmax-cutoff", "20,100"], "--adaptive-softmax-cutoff is not supported"),
     ],
-    ids=["alpha", "tau", "adaptive-softmax"],
+    ids=["alpha", "adaptive-softmax"],  # the other range checks share the alpha code path (in-process tests)
 )
 def test_end_to_end_bad_input_fails_before_any_checkpoint(lm_data_bin, tmp_path, flags, message):
     save = tmp_path / "ck"
@@ -442,3 +480,50 @@ def test_end_to_end_bad_input_fails_before_any_checkpoint(lm_data_bin, tmp_path,
     assert proc.returncode != 0
     assert message in proc.stderr + proc.stdout
     assert not save.exists() or not any(save.iterdir())
+
+
+# --------------------------------------------------------------------------------------------
+# non-detached teacher (--no-aug-detach-target), spec §2.4 / §12.4
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="output_loss.py still refuses --no-aug-detach-target; remove this marker when the "
+    "augmented_direct integration proposed in docs/augmented_loss.md lands",
+)
+def test_non_detached_teacher_gradients_flow_into_the_embedding(lm):
+    data, task, model, _, sample = lm
+    tau, alpha = 2.0, 0.5
+    crit = criterion_for(
+        task, data, TINY_LM_ARGS,
+        ["--criterion", "augmented_loss", "--no-aug-detach-target", "--aug-temperature", str(tau),
+         "--aug-alpha", str(alpha), "--aug-chunk-tokens", "100"],
+    )
+    loss, _, log, grads = loss_and_grads(model, crit, sample)
+
+    # reference: CE + alpha * tau * KL with the teacher materialised and *not* detached
+    model.zero_grad(set_to_none=True)
+    features = model(**sample["net_input"], features_only=True)[0]
+    target = model.get_targets(sample, None).reshape(-1)
+    keep = target.ne(task.target_dictionary.pad())
+    hidden, target = features.reshape(-1, features.size(-1))[keep], target[keep]
+    emb = model.decoder.embed_tokens.weight
+    logits = hidden @ model.decoder.output_projection.weight.t()
+    ce = torch.nn.functional.cross_entropy(logits, target, reduction="sum")
+    s = (emb[target] @ emb.t()) / tau
+    masked = torch.tensor(never_real_ids(task.target_dictionary))
+    log_p = torch.log_softmax(s.index_fill(1, masked, float("-inf")), -1)
+    p = log_p.exp()
+    kl = (p * torch.where(p > 0, log_p - torch.log_softmax(logits / tau, -1), torch.zeros_like(p))).sum()
+    (ce + alpha * tau * kl).backward()
+    ref_grads = {n: q.grad.detach().clone() for n, q in model.named_parameters() if q.grad is not None}
+    assert rel_err(loss, ce + alpha * tau * kl) <= 1e-6 and rel_err(log["aug_loss"], kl) <= 1e-5
+    assert_grads_close(grads, ref_grads, 1e-5)
+    # and it is a different gradient from the detached teacher's
+    detached = criterion_for(
+        task, data, TINY_LM_ARGS,
+        ["--criterion", "augmented_loss", "--aug-temperature", str(tau), "--aug-alpha", str(alpha)],
+    )
+    _, _, _, det_grads = loss_and_grads(model, detached, sample)
+    name = "decoder.embed_tokens.weight"
+    assert rel_err(det_grads[name], grads[name]) > 1e-4  # 100x the rounding level of the comparison above

@@ -329,6 +329,21 @@ def test_output_depends_on_the_factors():
             p.down.weight[0].sub_(1.0)
 
 
+def test_fused_weight_cache_follows_in_place_updates():
+    """Without autograd the fused Q/K/V down-projection is cached; an optimizer-style in-place
+    update of one factor must still change the output."""
+    mha, mlra = make_pair(targets="q,k,v")
+    x = torch.randn(5, 2, 16)
+    with torch.no_grad():
+        base, _ = mlra(x, x, x, need_weights=False)
+        torch.testing.assert_close(base, mha(x, x, x)[0], atol=1e-5, rtol=1e-5)
+        mlra.k_proj.down.weight.mul_(1.5)
+        mha.k_proj.weight.mul_(1.5)
+        out, _ = mlra(x, x, x, need_weights=False)
+        assert (out - base).abs().max() > 1e-3
+        torch.testing.assert_close(out, mha(x, x, x)[0], atol=1e-5, rtol=1e-5)
+
+
 def test_gradients_equal_chain_rule_through_fairseq():
     """With U = I, D = W: dL/dD = dL/dW and dL/dU = dL/dW W^T, dL/dW from fairseq's module."""
     mha, mlra = make_pair(targets="q,k,v")

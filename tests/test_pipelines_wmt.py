@@ -230,9 +230,9 @@ def test_evaluate_sh_prints_sacrebleu_signature_and_tokenized_bleu(wmt_prep, wmt
                       ["--checkpoints", wmt_trained["save"], "--prep", wmt_prep["out"], "--num-checkpoints", "2",
                        "--out", out, "--", "--cpu", "--max-len-a", "1.2", "--max-len-b", "10"])
     text = proc.stdout
-    m = re.search(r"^BLEU\|nrefs:1\|case:mixed\|eff:no\|tok:13a\|smooth:exp\|version:[\d.]+ = ([\d.]+) ", text, re.M)
+    m = re.search(r"^\s*BLEU\|nrefs:1\|case:mixed\|eff:no\|tok:13a\|smooth:exp\|version:[\d.]+ = ([\d.]+) ", text, re.M)
     assert m, text
-    assert re.search(r"^chrF2\|nrefs:1\|.*= [\d.]+", text, re.M), text
+    assert re.search(r"^\s*chrF2\|nrefs:1\|.*= [\d.]+", text, re.M), text
     with open(os.path.join(out, "hyp.txt"), encoding="utf-8") as f:
         hyps = [line.rstrip("\n") for line in f]
     with open(os.path.join(wmt_prep["out"], "raw", "test.de"), encoding="utf-8") as f:

@@ -9,7 +9,10 @@ own task instance*:
 * ``train_step(..., update_num, ignore_grad)``: the trainer calls it once per micro-batch, only in
   training (validation goes through ``valid_step``), so counts can never move during validation;
 * ``get_batch_iterator(dataset=...)``: for the training subset, ``len(iterator)`` is the number of
-  batches per epoch on this rank.
+  batches per epoch on this rank;
+* ``begin_epoch(epoch, model)``: called by the trainer before the first training step, outside the
+  step's error handling, so a model the criterion cannot serve is refused before fairseq would
+  write a ``crash.pt``.
 """
 import inspect
 import math
@@ -23,6 +26,9 @@ class TrainingObserver:
         pass
 
     def on_train_batches(self, batches_per_epoch: int):
+        pass
+
+    def on_begin_epoch(self, epoch: int, model):
         pass
 
 
@@ -68,8 +74,15 @@ def _wrap(task):
                 _notify(task, "on_train_batches", batches)
         return iterator
 
+    begin_epoch = task.begin_epoch
+
+    def observed_begin_epoch(epoch, model):
+        _notify(task, "on_begin_epoch", epoch, model)
+        return begin_epoch(epoch, model)
+
     task.train_step = observed_train_step
     task.get_batch_iterator = observed_get_batch_iterator
+    task.begin_epoch = observed_begin_epoch
 
 
 def observe_task(task, listener: TrainingObserver, train_subset: str = "train"):

@@ -133,6 +133,23 @@ class OutputLossCriterion(EmbeddingStatsMixin, TrainingObserver, FairseqCriterio
         self._update_num = update_num
         self._ignore_grad = ignore_grad
 
+    def on_begin_epoch(self, epoch, model):
+        self.check_model(model)
+
+    def check_model(self, model):
+        """Refuses models without a usable output projection (clear error naming the flag)."""
+        weight = output_projection_weight(model)
+        if weight.size(0) != len(self.dictionary):
+            raise ValueError(
+                f"output projection has {weight.size(0)} rows but the target dictionary has {len(self.dictionary)}"
+            )
+        if self.cfg.aug_alpha > 0 and self.cfg.aug_embed == "input":
+            embed = getattr(model.decoder, "embed_tokens", None)
+            if embed is None or not hasattr(embed, "weight"):
+                raise ValueError("--aug-embed input needs a decoder input embedding (decoder.embed_tokens)")
+        self._model_checked = True
+        return weight
+
     def set_update_num(self, update_num: int, ignore_grad: bool = False):
         """For use outside fairseq-train: the index of the update the next forward belongs to."""
         self.on_train_step(update_num, ignore_grad)
@@ -174,13 +191,7 @@ class OutputLossCriterion(EmbeddingStatsMixin, TrainingObserver, FairseqCriterio
     def forward(self, model, sample, reduce=True):
         if not reduce:
             raise ValueError("this criterion only supports reduce=True")
-        weight = output_projection_weight(model)
-        if not self._model_checked:
-            if weight.size(0) != len(self.dictionary):
-                raise ValueError(
-                    f"output projection has {weight.size(0)} rows but the target dictionary has {len(self.dictionary)}"
-                )
-            self._model_checked = True
+        weight = output_projection_weight(model) if self._model_checked else self.check_model(model)
         net_output = model(**sample["net_input"], features_only=True)
         features = net_output[0]
         target = model.get_targets(sample, net_output).reshape(-1)

@@ -6,14 +6,13 @@ Architectures mirror the stock names; ``transformer_lm_mlra_wiki103`` is the sha
 ``transformer_lm_wiki103`` without adaptive input / adaptive softmax.
 """
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerConfig
 from fairseq.models.transformer_lm import (
     TransformerLanguageModel,
     TransformerLanguageModelConfig,
-    base_lm_architecture,
     transformer_lm_baevski_wiki103,
     transformer_lm_gpt,
     transformer_lm_gpt2_small,
@@ -72,6 +71,11 @@ class TransformerLanguageModelMLRA(TransformerLanguageModel):
             args.decoder_layers = len(args.decoder_layers_to_keep.split(","))
 
         cfg = TransformerConfig.from_namespace(args)  # a copy: rebalancing leaves args unchanged
+        # from_namespace copies unknown keys of an argparse Namespace but not of a DictConfig
+        for f in fields(TransformerLMMLRAConfig):
+            if f.name.startswith("mlra_") or f.name == "attention_rank":
+                value = safe_getattr(args, f.name, None)
+                setattr(cfg, f.name, value if value is None or isinstance(value, (int, bool)) else str(value))
         saved, layer_params = _lm_layer_bookkeeping(cfg)
         n_layers, ffn = cfg.decoder.layers, cfg.decoder.ffn_embed_dim
         cfg.decoder.ffn_embed_dim, cfg.decoder.layers = rebalanced_stack(

@@ -195,10 +195,6 @@ class LowRankLinear(nn.Module):
         w = torch.bmm(u, self.down.weight)  # H x d_out x d_h
         return w.transpose(0, 1).reshape(self.out_features, self.in_features)
 
-    def num_factors_in_product(self) -> int:
-        """Terms summed in each entry of U D (the r of Var(UD) = r sigma_U^2 sigma_D^2)."""
-        return self.rank
-
     @torch.no_grad()
     def reset_parameters(self, init: str = "gpt2", dense_std: Optional[float] = None):
         """gpt2: U, D ~ N(0, 0.02). matched: sqrt(r) sigma_U sigma_D = dense_std (spec §3.3),
@@ -404,6 +400,7 @@ class MultiheadLowRankAttention(FairseqIncrementalDecoder):
         # quant-noise hooks act on the sub-modules' forward, so fusing weights would skip them
         self._fuse = q_noise <= 0
         self._causal_cache: Optional[Tuple[Tensor, int, bool]] = None
+        self._fused_cache: Dict[int, Tuple[tuple, Tensor]] = {}
         self.reset_parameters()
         self.init_incremental_state()
 
@@ -464,10 +461,24 @@ class MultiheadLowRankAttention(FairseqIncrementalDecoder):
         low = [p for p in projs if isinstance(p, LowRankLinear)]
         if not self._fuse or len(low) < 2:
             return [p(x) for p in projs]
-        w = torch.cat([p.down.weight for p in low], dim=0)
+        w = self._fused_down(low)
         z = F.linear(x, w).split([p.latent_features for p in low], dim=-1)
         lat = {id(p): zi for p, zi in zip(low, z)}
         return [p.up(lat[id(p)]) if id(p) in lat else p(x) for p in projs]
+
+    def _fused_down(self, low: List["LowRankLinear"]) -> Tensor:
+        """The concatenated down-projection weights. Without autograd (inference, decoding) the
+        concatenation is cached until a weight changes (checked through the version counters),
+        so that a decoding step does not copy the weights each time."""
+        ws = [p.down.weight for p in low]
+        if torch.is_grad_enabled():
+            return torch.cat(ws, dim=0)
+        key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in ws)
+        cached = self._fused_cache.get(len(ws))
+        if cached is None or cached[0] != key:
+            cached = (key, torch.cat(ws, dim=0))
+            self._fused_cache[len(ws)] = cached
+        return cached[1]
 
     # -- masks ------------------------------------------------------------------------------------
 

@@ -77,18 +77,20 @@ class _FusedLinearLoss(torch.autograd.Function):
         target_weight = 1.0 - epsilon - eps_i  # fairseq: loss = (1-eps-eps_i)*nll + eps_i*smooth
         needs_grad = compute_grad and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
 
-        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if needs_grad else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_grad else None
-        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        nll_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        aug_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        # loss arithmetic in fp32 at least (fp16/bf16 inputs), in float64 for float64 inputs
+        acc = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
+        grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if needs_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if needs_grad else None
+        loss = torch.zeros((), dtype=acc, device=hidden.device)
+        nll_sum = torch.zeros((), dtype=acc, device=hidden.device)
+        aug_sum = torch.zeros((), dtype=acc, device=hidden.device)
         rare_of_target = gates.rare.index_select(0, target) if gates is not None else None
 
         for start in range(0, n_rows, chunk_size):
             stop = min(start + chunk_size, n_rows)
             h = hidden[start:stop]
             y = target[start:stop]
-            logits = (h @ weight.t()).float()  # the only logits matmul
+            logits = (h @ weight.t()).to(acc)  # the only logits matmul
             lse = torch.logsumexp(logits, dim=-1)
             target_logit = logits.gather(1, y.unsqueeze(1)).squeeze(1)
             nll = lse - target_logit
@@ -132,15 +134,15 @@ class _FusedLinearLoss(torch.autograd.Function):
                     aug_grad = None
                 else:
                     total = grad + aug_grad
-                    grad_hidden[start:stop] = (total.to(weight.dtype) @ weight).float()
+                    grad_hidden[start:stop] = (total.to(weight.dtype) @ weight).to(acc)
                     del total
             if aug_grad is None:
-                grad_hidden[start:stop] = (grad.to(weight.dtype) @ weight).float()  # hidden states: un-gated
+                grad_hidden[start:stop] = (grad.to(weight.dtype) @ weight).to(acc)  # hidden states: un-gated
             if gates is not None:
                 _gate_rows_(grad, y, gates, rare_of_target[start:stop].nonzero().squeeze(1))
             if aug_grad is not None:
                 grad.add_(aug_grad)  # AL part of dW un-gated (augmented_loss.md §8.8)
-            grad_weight += (grad.to(hidden.dtype).t() @ h).float()
+            grad_weight += (grad.to(hidden.dtype).t() @ h).to(acc)
             del grad, aug_grad
 
         ctx.save_for_backward(grad_hidden, grad_weight)

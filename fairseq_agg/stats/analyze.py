@@ -110,6 +110,10 @@ def load_checkpoint(path: str):
     import fairseq_agg  # noqa: F401  (registers this plugin's models/criteria first)
     from fairseq import checkpoint_utils
 
+    # fairseq checkpoints may hold an argparse.Namespace, which torch >= 2.6 refuses to unpickle
+    # with weights_only=True unless it is allowed
+    if hasattr(torch.serialization, "add_safe_globals"):
+        torch.serialization.add_safe_globals([argparse.Namespace])
     try:
         state = checkpoint_utils.load_checkpoint_to_cpu(path)
     except Exception as e:  # torch.load / unpickling errors have unhelpful types

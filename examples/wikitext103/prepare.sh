@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# WikiText-103 for fairseq language modelling.
+#
+#   bash examples/wikitext103/prepare.sh [--raw-dir DIR] [--out DIR] [--tokenizer spm|word]
+#        [--vocab-size 32000] [--workers N] [--spm-sentences N]
+#
+# Downloads wikitext-103-v1 (the tokenised release: wiki.{train,valid,test}.tokens) unless
+# --raw-dir DIR already holds those three files (searched recursively; a .zip in DIR is
+# extracted). Then:
+#   --tokenizer spm  (default) undoes WikiText's in-word escapes (`1 @,@ 000` -> `1,000`,
+#                    `state @-@ of` -> `state-of`, `@.@`), trains a sentencepiece BPE model
+#                    (--vocab-size, default 32000; the AGG paper used GPT-2's BPE, which needs a
+#                    download that sentencepiece does not) on the training text and encodes all
+#                    splits. Headings (` = Title = `), `<unk>` and blank lines stay as they are.
+#   --tokenizer word the original word-level vocabulary (~267k types), fairseq's recipe.
+# Finally fairseq-preprocess --only-source. Writes OUT/data-bin, OUT/spm.model (spm only) and
+# OUT/prepare.log.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+py="${PYTHON:-}"
+if [[ -z "$py" ]]; then
+  if [[ -x "$root/.venv/bin/python" ]]; then py="$root/.venv/bin/python"; else py="$(command -v python3)"; fi
+fi
+bindir="$(dirname "$py")"
+textprep="$root/scripts/textprep.py"
+
+raw_dir=""; out="$root/data/wikitext103"; tokenizer=spm; vocab=32000
+workers="$(nproc 2>/dev/null || echo 1)"; spm_sentences=10000000
+die() { echo "prepare.sh: error: $*" >&2; exit 2; }
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --raw-dir) raw_dir="${2:?--raw-dir needs a directory}"; shift 2 ;;
+    --out) out="${2:?}"; shift 2 ;;
+    --tokenizer) tokenizer="${2:?}"; shift 2 ;;
+    --vocab-size) vocab="${2:?}"; shift 2 ;;
+    --workers) workers="${2:?}"; shift 2 ;;
+    --spm-sentences) spm_sentences="${2:?}"; shift 2 ;;
+    -h|--help) sed -n '2,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) die "unknown argument '$1' (see --help)" ;;
+  esac
+done
+[[ "$tokenizer" == spm || "$tokenizer" == word ]] || die "--tokenizer must be spm or word, got '$tokenizer'"
+[[ "$vocab" =~ ^[0-9]+$ ]] && (( vocab >= 100 )) || die "--vocab-size must be an integer >= 100, got '$vocab'"
+[[ "$workers" =~ ^[0-9]+$ ]] && (( workers >= 1 )) || die "--workers must be an integer >= 1, got '$workers'"
+[[ "$spm_sentences" =~ ^[0-9]+$ ]] && (( spm_sentences >= 1 )) || die "--spm-sentences must be an integer >= 1"
+
+if [[ -z "$raw_dir" ]]; then
+  raw_dir="$out/orig"
+  mkdir -p "$raw_dir"
+  zip="$raw_dir/wikitext-103-v1.zip"
+  if [[ ! -s "$zip" ]]; then
+    url=https://s3.amazonaws.com/research.metamind.io/wikitext/wikitext-103-v1.zip
+    echo "[prepare] downloading $url"
+    if command -v curl >/dev/null; then curl -fL --retry 3 -o "$zip.part" "$url"; else wget -q -O "$zip.part" "$url"; fi
+    mv "$zip.part" "$zip"
+  fi
+fi
+[[ -d "$raw_dir" ]] || die "--raw-dir: no such directory: $raw_dir"
+raw_dir="$(cd "$raw_dir" && pwd)"
+shopt -s nullglob
+for z in "$raw_dir"/*.zip; do
+  if [[ ! -f "$z.extracted" ]]; then
+    echo "[prepare] extracting $(basename "$z")"
+    "$py" -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" "$z" "$raw_dir"
+    touch "$z.extracted"
+  fi
+done
+shopt -u nullglob
+
+find_file() {
+  local hit
+  hit="$(find "$raw_dir" -type f -name "$1" | sort | head -n 1)"
+  [[ -n "$hit" ]] || die "--raw-dir $raw_dir: file '$1' not found (expected wiki.train.tokens, wiki.valid.tokens, wiki.test.tokens)"
+  echo "$hit"
+}
+train="$(find_file wiki.train.tokens)"; valid="$(find_file wiki.valid.tokens)"; test="$(find_file wiki.test.tokens)"
+
+mkdir -p "$out/tmp"
+tmp="$out/tmp"; log="$out/prepare.log"; : > "$log"
+for s in train valid test; do
+  f="${!s}"
+  echo "[prepare] $s: $(wc -l < "$f") lines, $(wc -w < "$f") tokens ($f)" | tee -a "$log"
+done
+
+if [[ "$tokenizer" == spm ]]; then
+  for s in train valid test; do
+    "$py" "$textprep" wikitext-detok --input "${!s}" --output "$tmp/$s.txt"
+  done
+  echo "[prepare] training sentencepiece (bpe, vocab $vocab)" | tee -a "$log"
+  # <unk> is kept as one piece, so that fairseq maps it onto its own <unk> entry
+  "$py" "$textprep" spm-train --inputs "$tmp/train.txt" --model-prefix "$out/spm" --vocab-size "$vocab" \
+    --model-type bpe --max-sentences "$spm_sentences" --user-symbols "<unk>"
+  "$py" "$textprep" spm-encode --model "$out/spm.model" --inputs "$tmp/train.txt" "$tmp/valid.txt" "$tmp/test.txt" \
+    --outputs "$tmp/train.tok" "$tmp/valid.tok" "$tmp/test.tok"
+else
+  for s in train valid test; do cp "${!s}" "$tmp/$s.tok"; done
+fi
+
+rm -rf "$out/data-bin"
+"$bindir/fairseq-preprocess" --only-source --trainpref "$tmp/train.tok" --validpref "$tmp/valid.tok" \
+  --testpref "$tmp/test.tok" --destdir "$out/data-bin" --workers "$workers" 2>&1 | tee -a "$log"
+rm -rf "$tmp"
+echo "[prepare] done: data-bin $out/data-bin" | tee -a "$log"

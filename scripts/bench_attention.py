@@ -1,0 +1,132 @@
+#!/usr/bin/env python
+"""MLRA (Chung et al., 2024) attention vs fairseq's MultiheadAttention, measured side by side.
+
+For each model width d (default 512 and 1024; 64-dim heads) and each MLRA setting it prints:
+  * parameters of one attention module and the ratio MLRA / MHA;
+  * forward + backward time of causal self-attention over a [seq, batch, d] input;
+  * the time of one incremental decoding step (a beam of --decode-batch rows, a cache of
+    --decode-prefix positions, --decode-steps steps averaged).
+Runs alternate between the two modules (MHA, MLRA, MHA, ...) and the medians are reported, so
+both see the same machine load. Times are wall-clock on whatever this runs on; the ratio is the
+number to read (< 1: MLRA faster / smaller).
+
+    python scripts/bench_attention.py                     # the defaults of docs/mlra.md
+    python scripts/bench_attention.py --dims 512 --batch 1 --repeats 3
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+from fairseq.modules import MultiheadAttention
+
+from fairseq_agg.modules.mlra import MultiheadLowRankAttention
+
+
+def future_mask(t, device, dtype):
+    return torch.triu(torch.full((t, t), float("-inf"), device=device, dtype=dtype), 1)
+
+
+def fwd_bwd_time(module, x, mask):
+    module.zero_grad(set_to_none=True)
+    xi = x.detach().requires_grad_(True)
+    t0 = time.perf_counter()
+    out, _ = module(xi, xi, xi, attn_mask=mask, need_weights=False)
+    out.float().pow(2).mean().backward()
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+@torch.no_grad()
+def decode_step_time(module, d, batch, prefix, steps, device, dtype):
+    state = {}
+    ctx = torch.randn(prefix, batch, d, device=device, dtype=dtype)
+    module(ctx, ctx, ctx, incremental_state=state, need_weights=False,
+           attn_mask=future_mask(prefix, device, dtype))  # fills the cache (not timed)
+    xs = torch.randn(steps, 1, batch, d, device=device, dtype=dtype)
+    t0 = time.perf_counter()
+    for x in xs:
+        module(x, x, x, incremental_state=state, need_weights=False)
+    if xs.is_cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
+def median_pair(fn_a, fn_b, repeats, warmup):
+    for _ in range(warmup):
+        fn_a(), fn_b()
+    a, b = [], []
+    for _ in range(repeats):
+        a.append(fn_a())
+        b.append(fn_b())
+    return statistics.median(a), statistics.median(b)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dims", default="512,1024", help="model widths d (comma-separated)")
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=2, help="kept small for a 2-core CPU")
+    p.add_argument("--decode-batch", type=int, default=8)
+    p.add_argument("--decode-prefix", type=int, default=128)
+    p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--json", default=None, help="also write the rows to this file")
+    a = p.parse_args()
+
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    device, dtype = torch.device(a.device), getattr(torch, a.dtype)
+    hw = torch.cuda.get_device_name(device) if device.type == "cuda" else (
+        f"CPU {platform.processor() or platform.machine()}, {a.threads} threads")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"# device: {hw}; torch {torch.__version__}; dtype {a.dtype}; load average {load:.1f} at start")
+    print(f"# fwd+bwd: causal self-attention, seq {a.seq} x batch {a.batch} (batch kept small for "
+          f"a 2-core CPU); decode: {a.decode_batch} rows, cache {a.decode_prefix}, "
+          f"{a.decode_steps} steps; medians of {a.repeats} alternating runs")
+    header = (f"{'d':>5} {'H':>3} {'mode':>8} {'rank':>5} {'targets':>8} | {'params':>10} {'ratio':>6} | "
+              f"{'MHA fb ms':>9} {'MLRA fb ms':>10} {'ratio':>6} | {'MHA dec ms':>10} {'MLRA dec ms':>11} {'ratio':>6}")
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for d in [int(x) for x in a.dims.split(",")]:
+        h = d // a.head_dim
+        dh = a.head_dim
+        settings = [("shared", r, "q,k,v") for r in (d // 16, d // 8, d // 4, d // 2)]
+        settings += [("shared", d // 4, "q,k,v,o"), ("per_head", dh // 2, "q,k,v"), ("per_head", dh // 4, "q,k,v")]
+        mha = MultiheadAttention(d, h, self_attention=True).to(device, dtype)
+        x = torch.randn(a.seq, a.batch, d, device=device, dtype=dtype)
+        mask = future_mask(a.seq, device, dtype)
+        n_mha = sum(q.numel() for q in mha.parameters())
+        for mode, r, targets in settings:
+            m = MultiheadLowRankAttention(d, h, self_attention=True, rank=r, mode=mode, targets=targets).to(device, dtype)
+            n = sum(q.numel() for q in m.parameters())
+            fb_mha, fb = median_pair(lambda: fwd_bwd_time(mha, x, mask), lambda: fwd_bwd_time(m, x, mask),
+                                     a.repeats, a.warmup)
+            dec = lambda mod: decode_step_time(mod, d, a.decode_batch, a.decode_prefix, a.decode_steps, device, dtype)  # noqa: E731
+            dec_mha, dec_m = median_pair(lambda: dec(mha.eval()), lambda: dec(m.eval()), a.repeats, a.warmup)
+            mha.train(), m.train()
+            row = dict(d=d, heads=h, mode=mode, rank=r, targets=targets, params_mha=n_mha, params_mlra=n,
+                       fwd_bwd_ms_mha=fb_mha * 1e3, fwd_bwd_ms_mlra=fb * 1e3,
+                       decode_ms_mha=dec_mha * 1e3, decode_ms_mlra=dec_m * 1e3)
+            rows.append(row)
+            print(f"{d:>5} {h:>3} {mode:>8} {r:>5} {targets:>8} | {n:>10,} {n / n_mha:>6.3f} | "
+                  f"{fb_mha * 1e3:>9.1f} {fb * 1e3:>10.1f} {fb / fb_mha:>6.3f} | "
+                  f"{dec_mha * 1e3:>10.3f} {dec_m * 1e3:>11.3f} {dec_m / dec_mha:>6.3f}", flush=True)
+        print(f"# d={d}: MultiheadAttention has {n_mha:,} parameters")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": hw, "load_average": load, "torch": torch.__version__, "args": vars(a), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

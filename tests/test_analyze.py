@@ -1,0 +1,196 @@
+"""fairseq-agg-analyze on checkpoints of real tiny training runs: report values against the
+metric functions on the checkpoint weights, per-group perplexity against fairseq-eval-lm's and
+fairseq-generate's own per-token scores, figures, and clear errors."""
+import json
+import math
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+from fairseq import checkpoint_utils
+from fairseq.data import Dictionary
+
+import fairseq_runs as fr
+from fairseq_agg import cli
+from fairseq_agg.stats import analyze as A
+from fairseq_agg.stats import groups as G
+from fairseq_agg.stats.metrics import isotropy, mean_pairwise_cosine, tev_stats
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def lm_ckpts(lm_data_bin, tmp_path_factory):
+    """Stock fairseq LM training (no plugin criterion): checkpoints at updates 5 and 10."""
+    root = tmp_path_factory.mktemp("analyze_lm")
+    fr.run_cli("fairseq-train", [lm_data_bin, "--save-dir", root / "ckpt", "--max-update", "10",
+                                 "--save-interval-updates", "5", "--no-epoch-checkpoints"] + fr.TINY_LM_ARGS)
+    return root / "ckpt"
+
+
+def _expected_metrics(W, rows):
+    t = tev_stats(W, rows)
+    i = isotropy(W, rows)
+    return {"rows": rows.numel(), "tev_mu": t["mu"], "tev_sigma": t["sigma"], "tev_mu_over_init": t["mu_over_init"],
+            "mean_cos": mean_pairwise_cosine(W, rows), "isotropy": i["isotropy"],
+            "isotropy_raw": i["isotropy_raw"], "isotropy_fixed": i["isotropy_fixed"]}
+
+
+def _check_matrix_entry(entry, W, d):
+    mask = G.row_mask(d)
+    for key, value in _expected_metrics(W, mask.nonzero().reshape(-1)).items():
+        assert entry["all"][key] == pytest.approx(value, rel=1e-9), key
+    for g, ids in G.frequency_groups(d).items():
+        gm = torch.zeros_like(mask)
+        gm[ids] = True
+        for key, value in _expected_metrics(W, (gm & mask).nonzero().reshape(-1)).items():
+            assert entry["groups"][g][key] == pytest.approx(value, rel=1e-9), (g, key)
+    X = W[mask].double().numpy()
+    k = min(X.shape)
+    assert np.array(entry["singular_values"][:k]) == pytest.approx(np.linalg.svd(X, compute_uv=False), rel=1e-6)
+
+
+def _group_ppl_reference(words_and_logp, d):
+    """Per-group PPL from per-token natural-log probabilities printed by fairseq itself."""
+    lookup = G.group_lookup(G.frequency_groups(d), len(d))
+    sums, counts = {}, {}
+    for word, logp in words_and_logp:
+        g = int(lookup[d.index(word)])
+        name = G.GROUP_NAMES[g] if g >= 0 else None
+        for key in ("total", name):
+            if key is not None:
+                sums[key] = sums.get(key, 0.0) - logp
+                counts[key] = counts.get(key, 0) + 1
+    return {k: (math.exp(sums[k] / counts[k]), counts[k]) for k in sums}
+
+
+def test_cli_report_figures_and_ppl_against_eval_lm(lm_ckpts, lm_data_bin, tmp_path):
+    out = tmp_path / "report"
+    ck5, ck_last = lm_ckpts / "checkpoint_1_5.pt", lm_ckpts / "checkpoint_last.pt"
+    proc = fr.run_cli("fairseq-agg-analyze", [ck5, ck_last, "--data", lm_data_bin, "--out", out, "--cpu"])
+    assert "| checkpoint_1_5 | dec |" in proc.stdout and "| checkpoint_last | dec |" in proc.stdout
+    report = json.loads((out / "report.json").read_text())
+    assert report["version"] == 1 and report["settings"]["split"] == "valid"
+    assert [c["label"] for c in report["checkpoints"]] == ["checkpoint_1_5", "checkpoint_last"]
+    assert [c["num_updates"] for c in report["checkpoints"]] == [5, 10]
+    d = Dictionary.load(os.path.join(lm_data_bin, "dict.txt"))
+    for ck, path in zip(report["checkpoints"], (ck5, ck_last)):
+        assert ck["task"] == "language_modeling" and ck["criterion"] == "cross_entropy"
+        assert ck["dictionary"]["size"] == len(d) and ck["dictionary"]["madeupwords"] == len(G.madeupword_ids(d))
+        assert ck["groups"] == {g: int(ids.numel()) for g, ids in G.frequency_groups(d).items()}
+        (name,) = ck["matrices"]
+        entry = ck["matrices"][name]
+        assert name == "dec" and entry["tied"] == ["decoder.output_projection.weight"]
+        W = checkpoint_utils.load_checkpoint_to_cpu(str(path))["model"]["decoder.embed_tokens.weight"]
+        assert entry["shape"] == list(W.shape)
+        _check_matrix_entry(entry, W, d)
+    # the two checkpoints differ (training moved the embeddings)
+    assert report["checkpoints"][0]["matrices"]["dec"]["all"]["tev_mu"] != report["checkpoints"][1]["matrices"]["dec"]["all"]["tev_mu"]
+    assert report["table"]["columns"][:3] == ["label", "matrix", "tev_mu"] and len(report["table"]["rows"]) == 2
+    assert (out / "table.md").read_text().count("\n") == 4
+
+    # perplexity: fairseq-eval-lm's total and its own per-token scores, grouped by the same ids
+    ev = fr.run_cli("fairseq-eval-lm", [lm_data_bin, "--user-dir", fr.USER_DIR, "--path", ck_last, "--gen-subset", "valid", "--tokens-per-sample",
+                                        "64", "--max-tokens", "512", "--cpu", "--output-word-probs"])
+    text = ev.stdout + ev.stderr
+    ppl_total = float(re.search(r"Perplexity: ([0-9.]+)", text).group(1))
+    words = []
+    for line in text.splitlines():  # "<logger prefix>eval_lm:<sample id> w1 [logp]\tw2 [logp] ..."
+        m = re.search(r"eval_lm(?::| \| )(\d+) (.*)$", line)
+        if m:
+            words += [(w, float(p)) for w, p in re.findall(r"(\S+) \[(-?\d+\.\d+)\]", m.group(2))]
+    ref = _group_ppl_reference(words, d)
+    ppl = report["checkpoints"][1]["ppl"]
+    assert ppl["total"]["ppl"] == pytest.approx(ppl_total, abs=0.006)  # eval-lm prints 2 decimals
+    assert ppl["total"]["tokens"] == ref["total"][1]
+    for g in G.GROUP_NAMES:
+        assert ppl["groups"][g]["tokens"] == ref[g][1]
+        assert ppl["groups"][g]["ppl"] == pytest.approx(ref[g][0], rel=1e-4)
+        assert ppl["groups"][g]["nll"] == pytest.approx(math.log(ppl["groups"][g]["ppl"]), rel=1e-12)
+    # rare tokens are the hardest for a barely trained model
+    assert ppl["groups"]["rare"]["ppl"] > ppl["groups"]["freq"]["ppl"]
+
+    for name in ("spectrum.png", "projection.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 5000
+    import matplotlib.image
+
+    img = matplotlib.image.imread(str(out / "projection.png"))
+    assert img.shape[1] > 1.5 * img.shape[0]  # one panel per checkpoint, side by side
+    assert img[..., :3].std() > 0.05  # not blank
+
+
+def test_mt_checkpoint_in_process_against_generate_score_reference(mt_data_bin, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    fr.run_cli("fairseq-train", [mt_data_bin, "--save-dir", ckpt, "--max-update", "6", "--criterion",
+                                 "label_smoothed_cross_entropy", "--label-smoothing", "0.1", "--no-epoch-checkpoints"]
+               + fr.TINY_MT_ARGS)
+    path = ckpt / "checkpoint_last.pt"
+    report = A.analyze([str(path)], data=mt_data_bin, split="test", out=str(tmp_path / "out"), device="cpu",
+                       figures=False)
+    (ck,) = report["checkpoints"]
+    assert ck["task"] == "translation" and list(ck["matrices"]) == ["enc"]  # --share-all-embeddings
+    assert ck["matrices"]["enc"]["tied"] == ["decoder.embed_tokens.weight", "decoder.output_projection.weight"]
+    tgt = Dictionary.load(os.path.join(mt_data_bin, "dict.de.txt"))
+    W = checkpoint_utils.load_checkpoint_to_cpu(str(path))["model"]["encoder.embed_tokens.weight"]
+    _check_matrix_entry(ck["matrices"]["enc"], W, tgt)
+    assert not os.path.exists(tmp_path / "out" / "spectrum.png")
+
+    # reference: fairseq-generate --score-reference prints base-2 scores of the reference tokens;
+    # --required-batch-size-multiple 1, or fairseq drops a last batch of < 8 sentences (fairseq#5036)
+    gen = fr.run_cli("fairseq-generate", [mt_data_bin, "--user-dir", fr.USER_DIR, "--path", path, "--gen-subset", "test",
+                                          "--score-reference", "--max-tokens", "600", "--required-batch-size-multiple",
+                                          "1", "--cpu"])
+    targets, scores = {}, {}
+    for line in gen.stdout.splitlines():
+        if line.startswith("T-"):
+            i, sent = line[2:].split("\t", 1)
+            targets[i] = sent.split() + ["</s>"]
+        elif line.startswith("P-"):
+            i, s = line[2:].split("\t", 1)
+            scores[i] = [float(x) * math.log(2) for x in s.split()]
+    assert len(targets) == 100 and set(targets) == set(scores)
+    words = [wp for i in targets for wp in zip(targets[i], scores[i])]
+    ref = _group_ppl_reference(words, tgt)
+    ppl = ck["ppl"]
+    assert ppl["split"] == "test" and ppl["total"]["tokens"] == ref["total"][1]
+    assert ppl["total"]["ppl"] == pytest.approx(ref["total"][0], rel=1e-3)  # generate prints 4 decimals
+    for g in G.GROUP_NAMES:
+        assert ppl["groups"][g]["tokens"] == ref[g][1]
+        assert ppl["groups"][g]["ppl"] == pytest.approx(ref[g][0], rel=1e-3)
+
+
+def _main_error(capsys, argv):
+    with pytest.raises(SystemExit) as exc:
+        A.main([str(a) for a in argv])
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_clear_errors(lm_ckpts, lm_data_bin, tmp_path, capsys):
+    good = lm_ckpts / "checkpoint_last.pt"
+    out = tmp_path / "o"
+    assert "checkpoint not found: " in _main_error(capsys, [tmp_path / "missing.pt", "--out", out])
+    assert "is a directory" in _main_error(capsys, [lm_ckpts, "--out", out])
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a checkpoint at all")
+    assert "is not a readable fairseq checkpoint" in _main_error(capsys, [junk, "--out", out])
+    state = torch.load(str(good), map_location="cpu", weights_only=False)  # the file as fairseq wrote it
+    for key in [k for k in state["model"] if "embed_tokens" in k or "output_projection" in k]:
+        del state["model"][key]
+    no_emb = tmp_path / "no_embeddings.pt"
+    torch.save(state, no_emb)
+    assert "has no token-embedding matrix" in _main_error(capsys, [no_emb, "--out", out])
+    assert "--data: not a directory" in _main_error(capsys, [good, "--data", tmp_path / "nodata", "--out", out])
+    assert "--group-fractions: expected three fractions" in _main_error(
+        capsys, [good, "--group-fractions", "0.5,0.5,0.5", "--out", out])
+    assert "--group-preset wikitext103-official" in _main_error(
+        capsys, [good, "--data", lm_data_bin, "--no-ppl", "--group-preset", "wikitext103-official", "--out", out])
+    assert "--labels: got 2 labels for 1 checkpoints" in _main_error(capsys, [good, "--labels", "a", "b", "--out", out])
+    assert not os.path.exists(out)  # nothing written on error
+    # the same command through the fairseq-agg dispatcher
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["analyze", "--help"])
+    assert exc.value.code == 0 and "fairseq-agg-analyze" in capsys.readouterr().out
