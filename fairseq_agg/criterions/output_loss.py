@@ -22,6 +22,7 @@ from omegaconf import II
 
 from fairseq_agg.dictionary_utils import never_real_ids
 from fairseq_agg.ops.augmented import SCALES, aug_scale_factor, build_teacher
+from fairseq_agg.ops.augmented_direct import augmented_kl_direct
 from fairseq_agg.ops.fused_linear_loss import fused_linear_loss
 from fairseq_agg.stats.live import EmbeddingStatsConfig, EmbeddingStatsMixin
 
@@ -53,17 +54,20 @@ class OutputLossConfig(EmbeddingStatsConfig):
         default="tau",
         metadata={"help": "extra factor s(tau) on the KL: none = 1, tau, or tau2 = tau^2 (the paper leaves it open)"},
     )
-    aug_detach_target: bool = field(
-        default=True,
-        metadata={"help": "treat the embedding-similarity teacher as a constant (no gradient through it)"},
+    # fairseq turns a bool field into a store_true flag (store_false if its default is True, under the
+    # same, positive name), so the non-default choices are spelled as negative fields.
+    no_aug_detach_target: bool = field(
+        default=False,
+        metadata={"help": "let gradients flow into the embedding through the teacher (ablation; by default "
+                  "the teacher is a constant, spec augmented_loss.md §2.4)"},
     )
     aug_embed: AUG_EMBED_CHOICES = field(
         default="input",
         metadata={"help": "matrix the teacher is built from: input = decoder input embedding (the paper), output = output projection"},
     )
-    aug_mask_special: bool = field(
-        default=True,
-        metadata={"help": "give the padding and madeupword columns no teacher mass"},
+    no_aug_mask_special: bool = field(
+        default=False,
+        metadata={"help": "let the padding and madeupword columns have teacher mass (by default they get none)"},
     )
     aug_warmup_updates: int = field(
         default=0, metadata={"help": "ramp alpha linearly from 0 over this many updates (>= 0; 0 = none)"}
@@ -115,10 +119,10 @@ class OutputLossCriterion(EmbeddingStatsMixin, TrainingObserver, FairseqCriterio
         _check_range("aug_alpha", cfg.aug_alpha, cfg.aug_alpha >= 0.0, ">= 0")
         _check_range("aug_temperature", cfg.aug_temperature, cfg.aug_temperature > 0.0, "> 0")
         _check_range("aug_warmup_updates", cfg.aug_warmup_updates, cfg.aug_warmup_updates >= 0, ">= 0")
-        if cfg.aug_alpha > 0 and not cfg.aug_detach_target:
+        if cfg.no_aug_detach_target and cfg.aug_gate_with_agg:
             raise ValueError(
-                "--no-aug-detach-target is not supported by the fused criterion: the teacher is always "
-                "detached (spec augmented_loss.md §2.4)"
+                "--aug-gate-with-agg cannot be combined with --no-aug-detach-target: the non-detached "
+                "augmented loss is computed outside the fused (gated) output layer"
             )
         self.eps = float(cfg.label_smoothing)
         self.sentence_avg = cfg.sentence_avg
@@ -143,10 +147,8 @@ class OutputLossCriterion(EmbeddingStatsMixin, TrainingObserver, FairseqCriterio
             raise ValueError(
                 f"output projection has {weight.size(0)} rows but the target dictionary has {len(self.dictionary)}"
             )
-        if self.cfg.aug_alpha > 0 and self.cfg.aug_embed == "input":
-            embed = getattr(model.decoder, "embed_tokens", None)
-            if embed is None or not hasattr(embed, "weight"):
-                raise ValueError("--aug-embed input needs a decoder input embedding (decoder.embed_tokens)")
+        if self.cfg.aug_alpha > 0:
+            self.teacher_matrix(model)
         self._model_checked = True
         return weight
 
@@ -170,18 +172,24 @@ class OutputLossCriterion(EmbeddingStatsMixin, TrainingObserver, FairseqCriterio
             alpha *= min(1.0, (self._update_num + 1) / warmup)
         return alpha
 
-    def build_teacher(self, model, target):
-        alpha = self.current_aug_alpha()
-        if alpha <= 0:
-            return None
+    def teacher_matrix(self, model):
+        """The V x d teacher matrix, not detached: the unscaled input embedding, or the output rows."""
         if self.cfg.aug_embed == "input":
             embed = getattr(model.decoder, "embed_tokens", None)
             if embed is None or not hasattr(embed, "weight"):
                 raise ValueError("--aug-embed input needs a decoder input embedding (decoder.embed_tokens)")
-            matrix = embed.weight  # unscaled rows: fairseq's embed_scale must not leak into tau (§8.3)
-        else:
-            matrix = output_projection_weight(model)
-        masked = never_real_ids(self.dictionary) if self.cfg.aug_mask_special else None
+            return embed.weight  # unscaled rows: fairseq's embed_scale must not leak into tau (§8.3)
+        return output_projection_weight(model)
+
+    def masked_teacher_columns(self):
+        return None if self.cfg.no_aug_mask_special else never_real_ids(self.dictionary)
+
+    def build_teacher(self, model, target):
+        alpha = self.current_aug_alpha()
+        if alpha <= 0 or self.cfg.no_aug_detach_target:
+            return None  # off, or the non-detached variant (added in forward)
+        matrix = self.teacher_matrix(model)
+        masked = self.masked_teacher_columns()
         coef = alpha * aug_scale_factor(self.cfg.aug_scale, self.cfg.aug_temperature)
         return build_teacher(
             matrix.detach(), target, self.cfg.aug_temperature, coef, masked, gate_with_agg=self.cfg.aug_gate_with_agg
@@ -205,6 +213,16 @@ class OutputLossCriterion(EmbeddingStatsMixin, TrainingObserver, FairseqCriterio
         loss, nll, aug_kl = fused_linear_loss(
             hidden, weight, target, self.eps, gates=gates, teacher=teacher, chunk_size=self.chunk_size
         )
+        direct = self.cfg.no_aug_detach_target and self.current_aug_alpha() > 0
+        if direct:
+            # --no-aug-detach-target: gradients also flow into E through the teacher (spec §2.4, §4)
+            coef = self.current_aug_alpha() * aug_scale_factor(self.cfg.aug_scale, self.cfg.aug_temperature)
+            kl = augmented_kl_direct(
+                hidden, weight, self.teacher_matrix(model), target, self.cfg.aug_temperature,
+                self.masked_teacher_columns(), chunk_size=self.chunk_size,
+            )
+            loss = loss + coef * kl
+            aug_kl = kl.detach()
         loss = self.adjust_loss(loss)
 
         ntokens = sample["ntokens"]
@@ -216,7 +234,7 @@ class OutputLossCriterion(EmbeddingStatsMixin, TrainingObserver, FairseqCriterio
             "nsentences": sample["target"].size(0),
             "sample_size": sample_size,
         }
-        if teacher is not None:
+        if teacher is not None or direct:
             logging_output["aug_loss"] = aug_kl.data
             logging_output["aug_alpha"] = self.current_aug_alpha()
             logging_output["aug_steps"] = 1

@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass, field, fields
 from typing import List, Optional, Tuple
 
+import torch
 from fairseq.dataclass import ChoiceEnum
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.distributed import fsdp_wrap
@@ -35,7 +36,6 @@ from fairseq.modules.transformer_layer import (
     TransformerEncoderLayerBase,
 )
 from fairseq.utils import safe_getattr
-import torch
 
 from fairseq_agg.modules.mlra import (
     MLRAConfig,

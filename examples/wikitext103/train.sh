@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Train a WikiText-103 language model with or without the plugin's methods.
+#
+#   bash examples/wikitext103/train.sh METHOD [extra fairseq-train flags ...]
+#
+# METHOD: baseline   cross_entropy on transformer_lm_gpt2_small
+#         agg        cross_entropy_agg --agg-alpha 0.03 (the AGG paper's LM run)
+#         aug        augmented_loss (REAL: tied embeddings), alpha 0.5, temperature 10
+#         agg+aug    AGG gating and the augmented loss in one criterion
+#         mlra       cross_entropy on transformer_lm_mlra_gpt2_small (low-rank Q/K/V)
+#         agg+mlra   AGG on the MLRA model
+# Hyper-parameters are the AGG paper's LM runs: transformer_lm_gpt2_small (24 layers, d 1024,
+# FFN 4096, 16 heads, dropout 0.1) with tied embeddings, Adam (0.9, 0.98), lr 7e-4, inverse_sqrt
+# with 4000 warm-up updates from 1e-7, weight decay 0.01, no clipping, 1024-token samples,
+# 4096 tokens x update-freq 8 (32,768 tokens per update), 50k updates, seed 1; --fp16 on a GPU.
+# Extra flags go last and override these.
+#
+# Environment: DATA_BIN (default data/wikitext103/data-bin), SAVE_DIR (default
+# checkpoints/wikitext103/METHOD), EMBED_STATS_INTERVAL (log TEV / mean cosine every N updates;
+# baseline then uses cross_entropy_with_stats), DRY_RUN=1 prints the command.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+py="${PYTHON:-}"
+if [[ -z "$py" ]]; then
+  if [[ -x "$root/.venv/bin/python" ]]; then py="$root/.venv/bin/python"; else py="$(command -v python3)"; fi
+fi
+bindir="$(dirname "$py")"
+
+die() { echo "train.sh: error: $*" >&2; exit 2; }
+methods="baseline agg aug agg+aug mlra agg+mlra"
+[[ $# -ge 1 ]] || die "usage: train.sh METHOD [fairseq flags...]; METHOD is one of: $methods"
+method="$1"; shift
+case " $methods " in *" $method "*) ;; *) die "METHOD must be one of: $methods (got '$method')" ;; esac
+
+data="${DATA_BIN:-$root/data/wikitext103/data-bin}"
+save_dir="${SAVE_DIR:-$root/checkpoints/wikitext103/$method}"
+stats="${EMBED_STATS_INTERVAL:-0}"
+[[ "$stats" =~ ^[0-9]+$ ]] || die "EMBED_STATS_INTERVAL must be an integer >= 0, got '$stats'"
+if [[ "${DRY_RUN:-0}" != 1 ]]; then
+  [[ -f "$data/dict.txt" ]] || die "DATA_BIN=$data has no dict.txt: run examples/wikitext103/prepare.sh first"
+fi
+
+arch=transformer_lm_gpt2_small
+[[ "$method" == *mlra* ]] && arch=transformer_lm_mlra_gpt2_small
+case "$method" in
+  baseline|mlra)
+    if (( stats > 0 )); then crit=(--criterion cross_entropy_with_stats); else crit=(--criterion cross_entropy); fi ;;
+  agg|agg+mlra) crit=(--criterion cross_entropy_agg --agg-alpha 0.03) ;;
+  aug) crit=(--criterion augmented_loss) ;;
+  agg+aug) crit=(--criterion cross_entropy_agg --agg-alpha 0.03 --aug-alpha 0.5) ;;
+esac
+(( stats > 0 )) && crit+=(--embed-stats-interval "$stats")
+
+precision=()
+if "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  precision=(--fp16)
+fi
+
+cmd=("$bindir/fairseq-train" "$data" --user-dir "$root/fairseq_agg"
+  --task language_modeling --arch "$arch" --share-decoder-input-output-embed
+  "${crit[@]}"
+  --dropout 0.1 --attention-dropout 0.1
+  --optimizer adam --adam-betas "(0.9, 0.98)" --weight-decay 0.01 --clip-norm 0.0
+  --lr 7e-4 --lr-scheduler inverse_sqrt --warmup-updates 4000 --warmup-init-lr 1e-07
+  --tokens-per-sample 1024 --sample-break-mode none --max-tokens 4096 --update-freq 8
+  "${precision[@]}" --seed 1 --max-update 50000 --ddp-backend no_c10d
+  --save-dir "$save_dir" --log-format simple --log-interval 100
+  "$@")
+
+if [[ "${DRY_RUN:-0}" == 1 ]]; then
+  printf '%q ' "${cmd[@]}"; echo
+  exit 0
+fi
+mkdir -p "$save_dir"
+exec "${cmd[@]}"
