@@ -8,7 +8,7 @@
    the same run with and without the statistics, interleaved, plus the time spent inside
    ``log_embedding_stats`` itself (every call, measured in the training process).
 
-Usage: python scripts/bench_stats.py [--vocab 50000 --dim 1024] [--updates 1000] [--repeats 2]
+Usage: python scripts/bench_stats.py [--vocab 50000 --dim 1024] [--updates 1000] [--max-tokens 1024] [--repeats 2]
        [--device cpu|cuda] [--skip-train] [--skip-metrics]
 """
 import argparse
@@ -134,14 +134,14 @@ def _make_data(root):
     return dest
 
 
-def bench_training(updates, repeats, threads):
+def bench_training(updates, repeats, threads, max_tokens=1024):
     with tempfile.TemporaryDirectory() as root:
         data = _make_data(root)
         common = [
             data, "--task", "language_modeling", "--arch", "transformer_lm", "--decoder-layers", "2",
             "--decoder-embed-dim", "128", "--decoder-input-dim", "128", "--decoder-output-dim", "128",
             "--decoder-ffn-embed-dim", "256", "--decoder-attention-heads", "4", "--share-decoder-input-output-embed",
-            "--tokens-per-sample", "128", "--sample-break-mode", "none", "--max-tokens", "1024",
+            "--tokens-per-sample", "128", "--sample-break-mode", "none", "--max-tokens", str(max_tokens),
             "--optimizer", "adam", "--lr", "0.001", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100",
             "--dropout", "0.1", "--seed", "1", "--cpu", "--num-workers", "0", "--log-interval", "100",
             "--no-progress-bar", "--max-update", str(updates), "--no-save",
@@ -166,7 +166,8 @@ def bench_training(updates, repeats, threads):
         on = min(r["total_s"] for r in runs["stats"])
         inside = min(r["stats_s"] / r["total_s"] for r in runs["stats"])
         inside_off = max(r["stats_s"] for r in runs["off"])
-        print(f"\n== live-logging overhead, {updates} updates, V = 5,004, d = 128, threads = {threads} ==")
+        print(f"\n== live-logging overhead, {updates} updates of {max_tokens} tokens, V = 5,004, d = 128, "
+              f"threads = {threads} ==")
         print(f"| {'quantity':52s} | {'value':>12s} |")
         print(f"|{'-' * 54}|{'-' * 14}|")
         print(f"| {'training wall time, statistics off (best of %d)' % repeats:52s} | {off:10.2f} s |")
@@ -184,6 +185,7 @@ def main():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--updates", type=int, default=1000)
+    p.add_argument("--max-tokens", type=int, default=1024, help="tokens per update of the training run")
     p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     p.add_argument("--skip-metrics", action="store_true")
     p.add_argument("--skip-train", action="store_true")
@@ -192,7 +194,7 @@ def main():
     if not args.skip_metrics:
         bench_metrics(args.vocab, args.dim, torch.device(args.device), max(1, args.repeats))
     if not args.skip_train:
-        bench_training(args.updates, max(1, args.repeats), args.threads)
+        bench_training(args.updates, max(1, args.repeats), args.threads, args.max_tokens)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import torch
 from .fused_linear_loss import TeacherTargets
 
 SCALES = ("none", "tau", "tau2")
+MASKED_LOGIT = -1e30
 
 
 def aug_scale_factor(scale: str, tau: float) -> float:
@@ -45,12 +46,13 @@ def build_teacher(
     uniq, inverse = torch.unique(target, return_inverse=True)
     logits = (embedding.index_select(0, uniq) @ embedding.t()).float() / tau
     if masked_columns is not None and len(masked_columns):
+        # a large finite logit instead of -inf: the masked columns get exactly 0 mass and
+        # 0 * log p stays 0 in the entropy, without extra masking temporaries
         cols = torch.as_tensor(list(masked_columns), dtype=torch.long, device=logits.device)
-        logits.index_fill_(1, cols, float("-inf"))
+        logits.index_fill_(1, cols, MASKED_LOGIT)
     log_probs = torch.log_softmax(logits, dim=-1)
     probs = log_probs.exp()
-    # 0 * log 0 = 0 for the masked columns
-    entropy = -torch.where(probs > 0, probs * log_probs, torch.zeros_like(probs)).sum(dim=-1)
+    entropy = -(probs * log_probs).sum(dim=-1)
     return TeacherTargets(
         probs=probs, entropy=entropy, index=inverse, tau=float(tau), coef=float(coef), gate_with_agg=gate_with_agg
     )

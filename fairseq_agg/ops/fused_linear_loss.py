@@ -68,6 +68,21 @@ def _gate_rows_(grad, target, gates, rare_target_rows):
         grad.index_copy_(0, rare_target_rows, rare_rows)
 
 
+def _matmul_into(out, a, b, accumulate=False):
+    """out (+)= a @ b with the matmul in b's dtype; in place (no temporary) when all dtypes agree."""
+    if a.dtype == b.dtype == out.dtype:
+        if accumulate:
+            out.addmm_(a, b)
+        else:
+            torch.mm(a, b, out=out)
+    else:
+        product = (a.to(b.dtype) @ b).to(out.dtype)
+        if accumulate:
+            out += product
+        else:
+            out.copy_(product)
+
+
 class _FusedLinearLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, epsilon, gates, teacher, chunk_size, compute_grad):
@@ -108,7 +123,7 @@ class _FusedLinearLoss(torch.autograd.Function):
                 scaled = logits / tau
                 lse_tau = torch.logsumexp(scaled, dim=-1)
                 # KL(t || softmax(z/tau)) = lse(z/tau) - t.z/tau - H(t)   (augmented_loss.md §5, Trick 2)
-                kl = lse_tau - (teacher_rows * scaled).sum(dim=-1) - teacher.entropy.index_select(
+                kl = lse_tau - torch.linalg.vecdot(teacher_rows, scaled) - teacher.entropy.index_select(
                     0, teacher.index[start:stop]
                 )
                 aug_sum += kl.sum()
@@ -134,15 +149,15 @@ class _FusedLinearLoss(torch.autograd.Function):
                     aug_grad = None
                 else:
                     total = grad + aug_grad
-                    grad_hidden[start:stop] = (total.to(weight.dtype) @ weight).to(acc)
+                    _matmul_into(grad_hidden[start:stop], total, weight)
                     del total
             if aug_grad is None:
-                grad_hidden[start:stop] = (grad.to(weight.dtype) @ weight).to(acc)  # hidden states: un-gated
+                _matmul_into(grad_hidden[start:stop], grad, weight)  # hidden states: un-gated
             if gates is not None:
                 _gate_rows_(grad, y, gates, rare_of_target[start:stop].nonzero().squeeze(1))
             if aug_grad is not None:
                 grad.add_(aug_grad)  # AL part of dW un-gated (augmented_loss.md §8.8)
-            grad_weight += (grad.to(hidden.dtype).t() @ h).to(acc)
+            _matmul_into(grad_weight, grad.t(), h, accumulate=True)
             del grad, aug_grad
 
         ctx.save_for_backward(grad_hidden, grad_weight)
