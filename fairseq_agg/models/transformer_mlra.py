@@ -49,12 +49,6 @@ from fairseq_agg.modules.mlra import (
 
 logger = logging.getLogger(__name__)
 
-# fairseq saves the argparse.Namespace of models without a dataclass (transformer, transformer_mlra)
-# inside checkpoints, and torch >= 2.6 loads with weights_only=True, which refuses that class: allow
-# it, so that stock fairseq-generate / fairseq-interactive load these checkpoints.
-if hasattr(torch.serialization, "add_safe_globals"):
-    torch.serialization.add_safe_globals([argparse.Namespace])
-
 MLRA_SELF_ATTENTION = ("all", "encoder", "decoder", "none")
 
 

@@ -31,8 +31,10 @@ in ``--tensorboard-logdir`` event files (``train_inner/``, ``train/``, ``valid/`
   measurement carry no (``None``) value.
 
 When: in training, at the forward pass of update N, 2N, ... (the update counter is fairseq's
-``num_updates`` meter that the trainer logs after every update; the weights measured are those
-after N−1 optimizer steps); at most once per update whatever ``--update-freq`` is. In
+``num_updates`` meter that the trainer logs after every update, see :func:`completed_updates`,
+or the ``num_updates`` a criterion passes; the weights measured are those after N−1 optimizer
+steps); at most once per update whatever ``--update-freq`` is; resumed runs continue the
+schedule (the meters saved in checkpoints are plain fairseq ``AverageMeter``\ s). In
 evaluation mode (validation, ``fairseq-validate``), once per validation pass and subset, on the
 weights being validated (off with ``--no-embed-stats-valid``). The O(V·d²) isotropy has its own
 interval, by default 10 × ``--embed-stats-interval``. Off (the default) costs one attribute test
