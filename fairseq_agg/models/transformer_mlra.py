@@ -10,7 +10,6 @@ self-attention (encoder and decoder) is factorised; the encoder-decoder attentio
 The helpers here (options from the config, validation, parameter bookkeeping, rebalancing) are
 shared with ``transformer_lm_mlra``.
 """
-import argparse
 import logging
 from dataclasses import dataclass, field, fields
 from typing import List, Optional, Tuple
