@@ -26,6 +26,7 @@ setup(
         'fairseq-fixed==0.12.3.1; python_version >= "3.11"',
         'fairseq>=0.12.2; python_version < "3.11"',
         "sacrebleu>=2",
+        "sacremoses",  # tokenized (compound-split) BLEU of the WMT14 example
         "sentencepiece",
         "numpy",
         "tensorboardX",

@@ -15,7 +15,6 @@ Commands:
 """
 import argparse
 import os
-import random
 import re
 import sys
 
@@ -29,11 +28,6 @@ def _open(path, mode="r"):
     if path == "-":
         return sys.stdin if "r" in mode else sys.stdout
     return open(path, mode, encoding="utf-8", newline="\n")
-
-
-def count_lines(path):
-    with open(path, "rb") as f:
-        return sum(1 for _ in f)
 
 
 # ---------------------------------------------------------------------------- sentencepiece
@@ -198,19 +192,6 @@ def compound_split(inp, out, lang):
     with _open(inp) as fin, _open(out, "w") as fout:
         for line in fin:
             fout.write(compound_split_line(tok, line.rstrip("\n"), lang) + "\n")
-
-
-# ---------------------------------------------------------------------------- misc
-
-
-def shuffle_split(lines, n_valid, n_test, seed):
-    """Random split of a list (after de-duplication by the caller); returns train, valid, test."""
-    idx = list(range(len(lines)))
-    random.Random(seed).shuffle(idx)
-    test = [lines[i] for i in idx[:n_test]]
-    valid = [lines[i] for i in idx[n_test:n_test + n_valid]]
-    train = [lines[i] for i in idx[n_test + n_valid:]]
-    return train, valid, test
 
 
 def main(argv=None):

@@ -55,6 +55,7 @@ def run_logged(cmd, log_path, prefix, env, show=True):
                                 cwd=REPO, bufsize=1)
         for line in proc.stdout:
             log.write(line)
+            log.flush()
             line = line.rstrip("\n")
             lines.append(line)
             if show and not _QUIET.search(line):

@@ -63,7 +63,7 @@ import math
 import os
 import sys
 from collections import OrderedDict
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 
