@@ -13,6 +13,7 @@ after warm-up) and measures the step's peak memory for
               per-type teacher built by ``build_teacher`` inside the timed region), eps = 0
   (e) ce      stock fairseq ``cross_entropy`` (eps = 0) on full logits: the baseline of (d)
   (f) al_ref  direct AL on a materialised N x V teacher (``reference_teacher`` + KL by definition)
+  (g) fce     plain CE (eps = 0) through ``fused_linear_loss``: what (d) costs over the fused CE alone
 
 and prints the ratios against the targets of issues 2 and 4 (AGG <= 1.05x stock time and
 <= 1.0x stock peak memory; AL <= 1.15x CE time and no extra N x V tensor).
@@ -65,6 +66,7 @@ LABELS = {
     "al": "(d) AL, fused_linear_loss + build_teacher",
     "ce": "(e) stock cross_entropy, full logits",
     "al_ref": "(f) AL direct, materialised teacher",
+    "fce": "(g) CE, fused_linear_loss (no AL)",
 }
 ALL_VARIANTS = list(LABELS)
 
@@ -170,6 +172,12 @@ def run_al(p, chunk):
     return loss.detach()
 
 
+def run_fce(p, chunk):
+    loss, _nll, _ = fused_linear_loss(p.hidden, p.weight, p.target, 0.0, chunk_size=chunk)
+    loss.backward()
+    return loss.detach()
+
+
 def run_al_ref(p, chunk):
     teacher = reference_teacher(p.weight.detach(), p.target, p.args.aug_temperature, masked_columns=[PAD])
     logits = F.linear(p.hidden, p.weight)
@@ -180,8 +188,8 @@ def run_al_ref(p, chunk):
     return loss.detach()
 
 
-RUNNERS = {"stock": run_stock, "agg": run_agg, "ref": run_ref, "al": run_al, "ce": run_ce, "al_ref": run_al_ref}
-FUSED = ("agg", "al")
+RUNNERS = {"stock": run_stock, "agg": run_agg, "ref": run_ref, "al": run_al, "ce": run_ce, "al_ref": run_al_ref, "fce": run_fce}
+FUSED = ("agg", "al", "fce")
 
 
 def key_of(name, chunk):
@@ -327,6 +335,8 @@ def sanity_check(p, keys, log):
         pairs.append((names["agg"], names["stock"], "loss, dH (dW differs: gated)"))
     if "al" in names and "al_ref" in names:
         pairs.append((names["al"], names["al_ref"], "loss, dH, dW"))
+    if "fce" in names and "ce" in names:
+        pairs.append((names["fce"], names["ce"], "loss, dH, dW"))
     lines = []
     for a, b, what in pairs:
         la, ha, wa = out[a]
@@ -450,6 +460,12 @@ def report(args, p, keys, times, cpu, peaks, mem_method, checks):
                 extra = peaks[a] - peaks["ce"]
                 note = (f"AL-CE peak {extra / MIB:+.0f} MiB < 1 NxV", extra < n * v * 4)
             row(f"AL / CE{tag}", a, "ce", 1.15, None, note)
+    for c in chunks:
+        tag = f" [chunk {c}]" if len(chunks) > 1 else ""
+        if f"al@{c}" in have and f"fce@{c}" in have:
+            row(f"AL / fused CE (AL's own cost){tag}", f"al@{c}", f"fce@{c}")
+        if f"fce@{c}" in have and "ce" in have:
+            row(f"fused CE / stock CE{tag}", f"fce@{c}", "ce")
     if "al_ref" in have and "ce" in have:
         row("direct AL (materialised) / CE", "al_ref", "ce")
     if "ce" in have and "stock" in have:

@@ -16,6 +16,45 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USER_DIR = os.path.join(REPO, "fairseq_agg")
 
 
+def parse_config(data, base_args, extra):
+    """The fairseq-train configuration of ``fairseq-train DATA --user-dir ... BASE_ARGS EXTRA``."""
+    from fairseq import options, utils
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, [data, "--user-dir", USER_DIR] + base_args + extra)
+    cfg = convert_namespace_to_omegaconf(args)
+    utils.import_user_module(cfg.common)
+    return cfg
+
+
+def build_parts(data, base_args, extra, splits=("train", "valid")):
+    """(cfg, task, model, criterion) as fairseq-train builds them, with ``splits`` loaded."""
+    from fairseq import tasks, utils
+
+    cfg = parse_config(data, base_args, extra)
+    utils.set_torch_seed(cfg.common.seed)
+    task = tasks.setup_task(cfg.task)
+    for split in splits:
+        task.load_dataset(split)
+    model = task.build_model(cfg.model)
+    criterion = task.build_criterion(cfg.criterion)
+    return cfg, task, model, criterion
+
+
+def criterion_from_flags(task, data, base_args, extra):
+    """Another criterion for an already built task, from fairseq-train flags."""
+    return task.build_criterion(parse_config(data, base_args, extra).criterion)
+
+
+def non_pad_features(model, sample, pad):
+    """The decoder features and targets of the non-padding positions, (N, d) and (N,)."""
+    features = model(**sample["net_input"], features_only=True)[0]
+    target = model.get_targets(sample, None).reshape(-1)
+    keep = target.ne(pad)
+    return features.reshape(-1, features.size(-1))[keep], target[keep]
+
+
 def fairseq_bin(name):
     path = os.path.join(BIN_DIR, name)
     if not os.path.exists(path):

@@ -9,41 +9,19 @@ import math
 import numpy as np
 import pytest
 import torch
-from fairseq import metrics, options, tasks, utils
+from fairseq import metrics, tasks
 from fairseq.criterions import CRITERION_REGISTRY
-from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.data import iterators
 from fairseq.trainer import Trainer
 
 from fairseq_agg.criterions.agg import AggCriterion
 from fairseq_agg.ops.reference import reference_output_loss
 from fairseq_runs import TINY_LM_ARGS, TINY_MT_ARGS, USER_DIR, read_json_log, run_cli
+from fairseq_runs import build_parts as build
+from fairseq_runs import criterion_from_flags, non_pad_features
+from fairseq_runs import parse_config as parse
 
 torch.set_num_threads(2)
-
-
-def parse(data, base_args, extra):
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, [data, "--user-dir", USER_DIR] + base_args + extra)
-    cfg = convert_namespace_to_omegaconf(args)
-    utils.import_user_module(cfg.common)
-    return cfg
-
-
-def build(data, base_args, extra):
-    """(cfg, task, model, criterion) as fairseq-train builds them."""
-    cfg = parse(data, base_args, extra)
-    utils.set_torch_seed(cfg.common.seed)
-    task = tasks.setup_task(cfg.task)
-    for split in ("train", "valid"):
-        task.load_dataset(split)
-    model = task.build_model(cfg.model)
-    criterion = task.build_criterion(cfg.criterion)
-    return cfg, task, model, criterion
-
-
-def stock_criterion(data, base_args, task, extra):
-    return task.build_criterion(parse(data, base_args, extra).criterion)
 
 
 def first_batches(task, split, n, max_tokens):
@@ -127,7 +105,7 @@ def compare_with_stock(model, agg, stock, sample, weight_name):
 def test_lm_logged_loss_and_gradients_match_stock_cross_entropy(lm_data_bin):
     # alpha 2.5: tokens seen fewer than 3 times in this first update are rare, so gating happens
     cfg, task, model, agg = build(lm_data_bin, TINY_LM_ARGS, ["--criterion", "cross_entropy_agg", "--agg-alpha", "2.5"])
-    stock = stock_criterion(lm_data_bin, TINY_LM_ARGS, task, ["--criterion", "cross_entropy"])
+    stock = criterion_from_flags(task, lm_data_bin, TINY_LM_ARGS, ["--criterion", "cross_entropy"])
     sample = first_batches(task, "train", 1, 512)[0]
     gates, _ = compare_with_stock(model, agg, stock, sample, "decoder.embed_tokens.weight")
     target = sample["target"].reshape(-1)
@@ -137,8 +115,8 @@ def test_lm_logged_loss_and_gradients_match_stock_cross_entropy(lm_data_bin):
 def test_mt_padding_masked_and_matches_stock_label_smoothed(mt_data_bin):
     extra = ["--criterion", "cross_entropy_agg", "--label-smoothing", "0.1", "--agg-alpha", "2.5", "--agg-window", "10"]
     cfg, task, model, agg = build(mt_data_bin, TINY_MT_ARGS, extra)
-    stock = stock_criterion(
-        mt_data_bin, TINY_MT_ARGS, task, ["--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1"]
+    stock = criterion_from_flags(
+        task, mt_data_bin, TINY_MT_ARGS, ["--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1"]
     )
     sample = padded_batch(task, "train")
     pad = task.target_dictionary.pad()
@@ -152,11 +130,9 @@ def test_mt_padding_masked_and_matches_stock_label_smoothed(mt_data_bin):
 
     # all gradients equal the reference construction on the pad-free rows, with the same gates
     model.zero_grad()
-    features = model(**sample["net_input"], features_only=True)[0]
-    target = sample["target"].reshape(-1)
-    keep = target.ne(pad)
+    hidden, target = non_pad_features(model, sample, pad)
     loss, _, _ = reference_output_loss(
-        features.reshape(-1, features.size(-1))[keep], model.decoder.output_projection.weight, target[keep], 0.1,
+        hidden, model.decoder.output_projection.weight, target, 0.1,
         gates=gates,
     )
     loss.backward()
@@ -253,7 +229,7 @@ def replay_updates(data, base_args, extra, max_update):
     fairseq_cli/train.py does, with a stock criterion (nothing is trained here).
     """
     cfg, task, model, _ = build(data, base_args, extra)
-    stock = task.build_criterion(parse(data, base_args, ["--criterion", "cross_entropy"]).criterion)
+    stock = criterion_from_flags(task, data, base_args, ["--criterion", "cross_entropy"])
     trainer = Trainer(cfg, task, model, stock)
     vocab, pad = len(task.target_dictionary), task.target_dictionary.pad()
     epoch_itr = trainer.get_train_iterator(epoch=1)

@@ -12,40 +12,20 @@ import os
 
 import pytest
 import torch
-from fairseq import metrics, options, tasks, utils
-from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+from fairseq import metrics
 
 from fairseq_agg.criterions.augmented_loss import AugmentedLossCriterion
 from fairseq_agg.dictionary_utils import never_real_ids
 from fairseq_agg.ops.reference import reference_output_loss, reference_teacher
-from fairseq_runs import TINY_LM_ARGS, TINY_MT_ARGS, USER_DIR, read_json_log, run_cli
+from fairseq_runs import TINY_LM_ARGS, TINY_MT_ARGS, USER_DIR, build_parts, criterion_from_flags, non_pad_features
+from fairseq_runs import read_json_log, run_cli
 
 torch.set_num_threads(2)
 
 LN2 = math.log(2)
 
 
-def parse(data, base_args, extra):
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, [data, "--user-dir", USER_DIR] + base_args + extra)
-    cfg = convert_namespace_to_omegaconf(args)
-    utils.import_user_module(cfg.common)
-    return cfg
-
-
-def build(data, base_args, extra):
-    """(task, model, criterion) built the way fairseq-train builds them."""
-    cfg = parse(data, base_args, extra)
-    utils.set_torch_seed(cfg.common.seed)
-    task = tasks.setup_task(cfg.task)
-    task.load_dataset("valid")
-    model = task.build_model(cfg.model)
-    criterion = task.build_criterion(cfg.criterion)
-    return task, model, criterion
-
-
-def criterion_for(task, data, base_args, extra):
-    return task.build_criterion(parse(data, base_args, extra).criterion)
+criterion_for = criterion_from_flags
 
 
 def first_batch(task, max_tokens=400):
@@ -93,14 +73,14 @@ def assert_grads_close(got, want, tol):
 
 @pytest.fixture(scope="module")
 def lm(lm_data_bin):
-    task, model, criterion = build(lm_data_bin, TINY_LM_ARGS, ["--criterion", "augmented_loss"])
+    _, task, model, criterion = build_parts(lm_data_bin, TINY_LM_ARGS, ["--criterion", "augmented_loss"], ("valid",))
     model.train()
     return lm_data_bin, task, model, criterion, first_batch(task)
 
 
 @pytest.fixture(scope="module")
 def mt(mt_data_bin):
-    task, model, criterion = build(mt_data_bin, TINY_MT_ARGS, ["--criterion", "augmented_loss"])
+    _, task, model, criterion = build_parts(mt_data_bin, TINY_MT_ARGS, ["--criterion", "augmented_loss"], ("valid",))
     model.train()
     return mt_data_bin, task, model, criterion, padded_batch(task)
 
@@ -149,11 +129,12 @@ def test_chunk_size_flag_is_used_and_does_not_change_the_result(lm):
 
 def test_adaptive_input_is_refused_in_process(lm_data_bin):
     """A decoder without a plain input embedding (adaptive input): clear error, nothing computed."""
-    task, model, criterion = build(
+    _, task, model, criterion = build_parts(
         lm_data_bin,
         TINY_LM_ARGS[:-1],  # untied: adaptive input cannot be tied to a plain output projection
         ["--criterion", "augmented_loss", "--adaptive-input", "--adaptive-input-cutoff", "20,100",
          "--adaptive-input-factor", "2"],
+        ("valid",),
     )
     with pytest.raises(ValueError, match="--adaptive-input is not supported"):
         criterion(model, first_batch(task))
@@ -244,10 +225,7 @@ def test_criterion_matches_reference_on_the_real_model(mt):
     loss, size, log, grads = loss_and_grads(model, crit, sample)
 
     model.zero_grad(set_to_none=True)
-    features = model(**sample["net_input"], features_only=True)[0]
-    target = model.get_targets(sample, None).reshape(-1)
-    keep = target.ne(task.target_dictionary.pad())
-    hidden, target = features.reshape(-1, features.size(-1))[keep], target[keep]
+    hidden, target = non_pad_features(model, sample, task.target_dictionary.pad())
     weight = model.decoder.output_projection.weight
     assert weight is model.decoder.embed_tokens.weight  # --share-all-embeddings: REAL
     probs = reference_teacher(model.decoder.embed_tokens.weight, target, tau, never_real_ids(task.target_dictionary))
@@ -258,7 +236,7 @@ def test_criterion_matches_reference_on_the_real_model(mt):
     ref_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     assert rel_err(loss, ref_loss) <= 1e-6
     assert rel_err(log["nll_loss"], ref_nll) <= 1e-6 and rel_err(log["aug_loss"], ref_kl) <= 1e-5
-    assert size == sample["ntokens"] == int(keep.sum())
+    assert size == sample["ntokens"] == target.numel()
     assert_grads_close(grads, ref_grads, 1e-5)
 
 
@@ -355,10 +333,7 @@ def test_agg_plus_augmented_loss_gates_the_ce_part_only(mt):
 
     def reference_grads(gate_aug):
         model.zero_grad(set_to_none=True)
-        features = model(**sample["net_input"], features_only=True)[0]
-        target = model.get_targets(sample, None).reshape(-1)
-        keep = target.ne(task.target_dictionary.pad())
-        hidden, target = features.reshape(-1, features.size(-1))[keep], target[keep]
+        hidden, target = non_pad_features(model, sample, task.target_dictionary.pad())
         weight = model.decoder.output_projection.weight
         probs = reference_teacher(weight, target, tau, never_real_ids(task.target_dictionary))
         ref_loss, _, _ = reference_output_loss(
@@ -498,10 +473,7 @@ def test_non_detached_teacher_gradients_flow_into_the_embedding(lm):
 
     # reference: CE + alpha * tau * KL with the teacher materialised and *not* detached
     model.zero_grad(set_to_none=True)
-    features = model(**sample["net_input"], features_only=True)[0]
-    target = model.get_targets(sample, None).reshape(-1)
-    keep = target.ne(task.target_dictionary.pad())
-    hidden, target = features.reshape(-1, features.size(-1))[keep], target[keep]
+    hidden, target = non_pad_features(model, sample, task.target_dictionary.pad())
     emb = model.decoder.embed_tokens.weight
     logits = hidden @ model.decoder.output_projection.weight.t()
     ce = torch.nn.functional.cross_entropy(logits, target, reduction="sum")

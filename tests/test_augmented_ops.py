@@ -40,6 +40,18 @@ def problem(n=37, vocab=29, dim=12, tied=True, seed=0, dtype=torch.float32, scal
     return hidden, weight, emb, target
 
 
+def random_gates(vocab, seed):
+    """AGG gates with about half the non-special types rare and random g1, g2 in (0, 1) on them."""
+    g = torch.Generator().manual_seed(seed)
+    rare = torch.rand(vocab, generator=g) < 0.5
+    rare[:4] = False
+    return TokenGates(
+        g1=torch.where(rare, torch.rand(vocab, generator=g), torch.ones(vocab)),
+        g2=torch.where(rare, torch.rand(vocab, generator=g), torch.ones(vocab)),
+        rare=rare,
+    )
+
+
 def run_with_grads(fn, hidden, weight, tied):
     """Calls fn(h, W) -> (loss, nll, kl) on fresh leaves; returns values and dH, dW."""
     h = hidden.detach().clone().requires_grad_(True)
@@ -313,15 +325,8 @@ def test_masked_columns_carry_no_teacher_gradient():
 @pytest.mark.parametrize("gate_aug", [False, True], ids=["al-ungated", "al-gated"])
 def test_agg_gates_the_ce_part_only(gate_aug):
     hidden, weight, emb, target = problem(n=26, vocab=15, dim=6, tied=True, seed=37)
-    g = torch.Generator().manual_seed(1)
-    rare = torch.rand(15, generator=g) < 0.5
-    rare[:4] = False
-    gates = TokenGates(
-        g1=torch.where(rare, torch.rand(15, generator=g), torch.ones(15)),
-        g2=torch.where(rare, torch.rand(15, generator=g), torch.ones(15)),
-        rare=rare,
-    )
-    assert rare[target].any() and (~rare[target]).any()
+    gates = random_gates(15, seed=1)
+    assert gates.rare[target].any() and (~gates.rare[target]).any()
     tau, coef, eps = 2.0, 1.1, 0.1
     teacher = build_teacher(emb, target, tau, coef, (0,), gate_with_agg=gate_aug)
     _, _, _, dH, dW = run_with_grads(
@@ -351,6 +356,43 @@ def test_agg_gates_the_ce_part_only(gate_aug):
         hidden, weight, True,
     )
     assert rel_err(dW, ref[4]) <= 1e-6 and rel_err(dH, ref[3]) <= 1e-6
+
+
+# --------------------------------------------------------------------------------------------
+# CPU row blocks: the element-wise work of a chunk runs block by block (a few MiB at a time); with
+# the test's small vocabularies a chunk is a single block, so blocks are forced small here
+
+
+@pytest.mark.parametrize("block_rows", [1, 3], ids=["block1", "block3"])
+@pytest.mark.parametrize("mode", ["ce", "agg", "al", "agg+al", "agg+al-gated"])
+def test_row_blocks_smaller_than_the_chunk_give_the_same_result(monkeypatch, block_rows, mode):
+    from fairseq_agg.ops import fused_linear_loss as fused_module
+
+    hidden, weight, emb, target = problem(n=41, vocab=23, dim=8, tied=True, seed=53)
+    monkeypatch.setattr(fused_module, "_CPU_BLOCK_BYTES", block_rows * 23 * 4)  # fp32 rows of V = 23
+    assert fused_module._block_rows(torch.device("cpu"), 23, torch.float32, 16) == block_rows
+    gates = random_gates(23, seed=5) if "agg" in mode else None
+    tau, coef, eps = 3.0, 0.9, 0.1
+    gate_aug = mode.endswith("gated")
+    probs = reference_teacher(emb, target, tau, (1,)) if "al" in mode else None
+    ref = run_with_grads(
+        lambda h, w: reference_output_loss(
+            h, w, target, eps, gates=gates, teacher_probs=probs, tau=tau, coef=coef, gate_aug_with_agg=gate_aug
+        ),
+        hidden, weight, True,
+    )
+    for chunk in (5, 16):
+        teacher = build_teacher(emb, target, tau, coef, (1,), gate_with_agg=gate_aug) if "al" in mode else None
+        if teacher is not None:  # the teacher itself is also built block by block
+            assert rel_err(teacher.probs[teacher.index], probs) <= 1e-6
+        out = run_with_grads(
+            lambda h, w: fused_linear_loss(h, w, target, eps, gates=gates, teacher=teacher, chunk_size=chunk),
+            hidden, weight, True,
+        )
+        for name, a, b in zip(("loss", "nll", "kl", "dH", "dW"), out, ref):
+            if name == "kl" and teacher is None:
+                continue
+            assert rel_err(a, b) <= 1e-6, (mode, chunk, name, rel_err(a, b))
 
 
 # --------------------------------------------------------------------------------------------

@@ -84,6 +84,27 @@ def registered_methods(methods):
 _KV = re.compile(r"(\w+)=([-+\w.]+)")
 
 
+def runnable_methods(requested, methods, tag):
+    """(the requested methods whose criterion and architecture the plugin registers, in order,
+    {skipped method: why}); says which are skipped; stops when none can run."""
+    status = registered_methods({m: methods[m] for m in requested})
+    for m in requested:
+        if status[m] is not None:
+            say(f"[{tag}] SKIPPING {m}: {status[m]} (that method's part of the plugin has not landed)")
+    runnable = [m for m in requested if status[m] is None]
+    if not runnable:
+        raise SystemExit(f"[{tag}] no method can run: the plugin registers none of the requested criteria/architectures")
+    return runnable, {m: why for m, why in status.items() if why is not None}
+
+
+def run_settings(a, budgets):
+    """(mode, budget, updates, child environment) of a demo run; makes ``a.work_dir`` absolute."""
+    mode = "quick" if a.quick else "default"
+    budget = budgets[mode]
+    a.work_dir = os.path.abspath(a.work_dir)
+    return mode, budget, a.updates or budget["updates"], child_env(a.threads)
+
+
 def last_train_stats(lines):
     """key -> value of the last fairseq 'train' (or train_inner) line of a --log-format simple run."""
     stats = {}

@@ -21,7 +21,6 @@ from concurrent.futures import ThreadPoolExecutor
 from examples.demo import bible
 from examples.demo.common import (
     USER_DIR,
-    child_env,
     console_script,
     done_seconds,
     fmt,
@@ -29,7 +28,8 @@ from examples.demo.common import (
     mean_spread,
     minutes,
     print_table,
-    registered_methods,
+    run_settings,
+    runnable_methods,
     run_logged,
     say,
     textprep,
@@ -266,19 +266,8 @@ def main(argv=None):
     p = build_parser()
     a = p.parse_args(argv)
     check_args(p, a)
-    mode = "quick" if a.quick else "default"
-    budget = BUDGET[mode]
-    updates = a.updates or budget["updates"]
-    a.work_dir = os.path.abspath(a.work_dir)
-    env = child_env(a.threads)
-
-    status = registered_methods({m: METHODS[m] for m in a.methods})
-    methods = [m for m in a.methods if status[m] is None]
-    for m in a.methods:
-        if status[m] is not None:
-            say(f"[demo] SKIPPING {m}: {status[m]} (that method's part of the plugin has not landed)")
-    if not methods:
-        raise SystemExit("[demo] no method can run: the plugin registers none of the requested criteria/architectures")
+    mode, budget, updates, env = run_settings(a, BUDGET)
+    methods, skipped = runnable_methods(a.methods, METHODS, "demo")
 
     n_runs = len(methods) * len(a.seeds)
     prepared = os.path.isfile(os.path.join(a.work_dir, "data", "done.json"))
@@ -363,8 +352,7 @@ def main(argv=None):
     print_table(headers, rows, out=os.path.join(out_dir, "table.txt"))
     fig = figures(results, curves, out_dir, methods)
     write_json(os.path.join(out_dir, "results.json"), {
-        "mode": mode, "updates": updates, "seeds": a.seeds, "methods": methods, "skipped": {
-            m: status[m] for m in a.methods if status[m]}, "data": info, "budget": budget, "model": MODEL[mode],
+        "mode": mode, "updates": updates, "seeds": a.seeds, "methods": methods, "skipped": skipped, "data": info, "budget": budget, "model": MODEL[mode],
         "vocab": a.vocab_size, "threads": a.threads,
         "results": results, "runs": {l: {k: v for k, v in r.items() if k != "curve"} for l, r in runs.items()},
         "markdown": markdown_table(headers, rows), "total_seconds": time.time() - t_start,

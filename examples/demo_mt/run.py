@@ -20,7 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 from examples.demo.common import (
     USER_DIR,
-    child_env,
     console_script,
     done_seconds,
     fmt,
@@ -28,7 +27,8 @@ from examples.demo.common import (
     markdown_table,
     minutes,
     print_table,
-    registered_methods,
+    run_settings,
+    runnable_methods,
     run_logged,
     say,
     textprep,
@@ -228,19 +228,8 @@ def main(argv=None):
         p.error(f"--vocab-size must be >= 50, got {a.vocab_size}")
     if bool(a.ding_file) != bool(a.lo_help_dir):
         p.error("--ding-file and --lo-help-dir go together (or neither: the Debian packages)")
-    mode = "quick" if a.quick else "default"
-    budget = BUDGET[mode]
-    updates = a.updates or budget["updates"]
-    a.work_dir = os.path.abspath(a.work_dir)
-    env = child_env(a.threads)
-
-    status = registered_methods({m: METHODS[m] for m in a.methods})
-    methods = [m for m in a.methods if status[m] is None]
-    for m in a.methods:
-        if status[m] is not None:
-            say(f"[demo-mt] SKIPPING {m}: {status[m]} (that method's part of the plugin has not landed)")
-    if not methods:
-        raise SystemExit("[demo-mt] no method can run")
+    mode, budget, updates, env = run_settings(a, BUDGET)
+    methods, skipped = runnable_methods(a.methods, METHODS, "demo-mt")
     jobs = [(m, s) for s in a.seeds for m in methods]
     lanes = min(a.jobs, len(jobs))
     prepared = os.path.isfile(os.path.join(a.work_dir, "data", "done.json"))
@@ -332,7 +321,7 @@ def main(argv=None):
     write_json(os.path.join(out_dir, "results.json"), {
         "mode": mode, "updates": updates, "seeds": a.seeds, "methods": methods, "data": info, "model": MODEL[mode],
         "budget": budget, "results": results, "runs": per_run, "test_pairs": n_test,
-        "skipped": {m: status[m] for m in a.methods if status[m]},
+        "skipped": skipped,
         "markdown": markdown_table(headers, rows), "total_seconds": time.time() - t0})
     say(f"[demo-mt] table and numbers: {out_dir}/table.txt, {out_dir}/results.json; total time {minutes(time.time() - t0)}")
     return 0

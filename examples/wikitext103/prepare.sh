@@ -18,17 +18,11 @@
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-root="$(cd "$here/../.." && pwd)"
-py="${PYTHON:-}"
-if [[ -z "$py" ]]; then
-  if [[ -x "$root/.venv/bin/python" ]]; then py="$root/.venv/bin/python"; else py="$(command -v python3)"; fi
-fi
-bindir="$(dirname "$py")"
-textprep="$root/scripts/textprep.py"
+# shellcheck source=../common.sh
+source "$here/../common.sh"  # root, py, bindir, textprep, die
 
 raw_dir=""; out="$root/data/wikitext103"; tokenizer=spm; vocab=32000
 workers="$(nproc 2>/dev/null || echo 1)"; spm_sentences=10000000
-die() { echo "prepare.sh: error: $*" >&2; exit 2; }
 
 while [[ $# -gt 0 ]]; do
   case "$1" in

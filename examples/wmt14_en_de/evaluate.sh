@@ -18,15 +18,9 @@
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-root="$(cd "$here/../.." && pwd)"
-py="${PYTHON:-}"
-if [[ -z "$py" ]]; then
-  if [[ -x "$root/.venv/bin/python" ]]; then py="$root/.venv/bin/python"; else py="$(command -v python3)"; fi
-fi
-bindir="$(dirname "$py")"
-textprep="$root/scripts/textprep.py"
+# shellcheck source=../common.sh
+source "$here/../common.sh"  # root, py, bindir, textprep, die
 
-die() { echo "evaluate.sh: error: $*" >&2; exit 2; }
 # fairseq pickles its legacy config (argparse.Namespace) into checkpoints; torch >= 2.6 loads
 # with weights_only=True by default and refuses it. These are your own training outputs.
 export TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="${TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD:-1}"

@@ -22,14 +22,9 @@
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-root="$(cd "$here/../.." && pwd)"
-py="${PYTHON:-}"
-if [[ -z "$py" ]]; then
-  if [[ -x "$root/.venv/bin/python" ]]; then py="$root/.venv/bin/python"; else py="$(command -v python3)"; fi
-fi
-bindir="$(dirname "$py")"
+# shellcheck source=../common.sh
+source "$here/../common.sh"  # root, py, bindir, textprep, die
 
-die() { echo "train.sh: error: $*" >&2; exit 2; }
 methods="baseline agg aug agg+aug mlra agg+mlra"
 [[ $# -ge 1 ]] || die "usage: train.sh METHOD [base|big] [fairseq flags...]; METHOD is one of: $methods"
 method="$1"; shift

@@ -14,7 +14,6 @@ import logging
 from dataclasses import dataclass, field, fields
 from typing import List, Optional, Tuple
 
-import torch
 from fairseq.dataclass import ChoiceEnum
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.distributed import fsdp_wrap

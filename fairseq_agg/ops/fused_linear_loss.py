@@ -83,6 +83,24 @@ def _matmul_into(out, a, b, accumulate=False):
             out.copy_(product)
 
 
+# On a CPU, the element-wise work on a chunk's logits is done block by block, a block of rows small
+# enough (~4 MiB) to stay in cache across the dozen operations it goes through, so each chunk x V
+# buffer is read and written about once. On a GPU the whole chunk is one block (few kernel launches).
+_CPU_BLOCK_BYTES = 1 << 22
+
+
+def _block_rows(device, vocab, dtype, chunk_rows):
+    if device.type != "cpu":
+        return chunk_rows
+    size = torch.empty((), dtype=dtype).element_size()
+    return max(1, min(chunk_rows, _CPU_BLOCK_BYTES // (vocab * size)))
+
+
+def _row_dot(a, b):
+    """sum_i a[n, i] b[n, i] per row, without an element-wise product tensor."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
 class _FusedLinearLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, epsilon, gates, teacher, chunk_size, compute_grad):
@@ -94,71 +112,105 @@ class _FusedLinearLoss(torch.autograd.Function):
 
         # loss arithmetic in fp32 at least (fp16/bf16 inputs), in float64 for float64 inputs
         acc = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
-        grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if needs_grad else None
-        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if needs_grad else None
-        loss = torch.zeros((), dtype=acc, device=hidden.device)
-        nll_sum = torch.zeros((), dtype=acc, device=hidden.device)
-        aug_sum = torch.zeros((), dtype=acc, device=hidden.device)
+        opts = dict(dtype=acc, device=hidden.device)
+        grad_hidden = torch.empty(hidden.shape, **opts) if needs_grad else None
+        grad_weight = torch.zeros(weight.shape, **opts) if needs_grad else None
+        loss = torch.zeros((), **opts)
+        nll_sum = torch.zeros((), **opts)
+        aug_sum = torch.zeros((), **opts)
         rare_of_target = gates.rare.index_select(0, target) if gates is not None else None
+
+        # Work buffers reused by every chunk, and every step below in place: on a CPU each fresh
+        # chunk x V tensor costs more (page faults) than the arithmetic done on it.
+        rows = min(chunk_size, n_rows)
+        block = _block_rows(hidden.device, vocab, acc, rows)
+        logits_buf = torch.empty((rows, vocab), **opts)
+        # the AL gradient is kept apart from the CE one only when AGG gates the CE part alone (§8.8)
+        separate_aug = teacher is not None and needs_grad and gates is not None and not teacher.gate_with_agg
+        if teacher is not None:
+            tempered_buf = torch.empty((rows if separate_aug else block, vocab), **opts)
+            teacher_rows = torch.empty((block, vocab), **opts)
+            inv_tau = 1.0 / teacher.tau
+            aug_scale = teacher.coef * inv_tau  # coef * d KL / d z = coef * (softmax(z/tau) - t) / tau  (§4)
+        weight_t = weight.t()
 
         for start in range(0, n_rows, chunk_size):
             stop = min(start + chunk_size, n_rows)
             h = hidden[start:stop]
-            y = target[start:stop]
-            logits = (h @ weight.t()).to(acc)  # the only logits matmul
-            lse = torch.logsumexp(logits, dim=-1)
-            target_logit = logits.gather(1, y.unsqueeze(1)).squeeze(1)
-            nll = lse - target_logit
-            nll_sum += nll.sum()
-            if eps_i > 0:
-                smooth = vocab * lse - logits.sum(dim=-1)  # sum_k -log p_k
-                loss += (target_weight * nll + eps_i * smooth).sum()
-            else:
-                loss += nll.sum()
+            z_chunk = logits_buf[: stop - start]
+            _matmul_into(z_chunk, h, weight_t)  # the only logits matmul
 
-            aug_grad = None
-            if teacher is not None:
-                tau = teacher.tau
-                teacher_rows = teacher.probs.index_select(0, teacher.index[start:stop])
-                scaled = logits / tau
-                lse_tau = torch.logsumexp(scaled, dim=-1)
-                # KL(t || softmax(z/tau)) = lse(z/tau) - t.z/tau - H(t)   (augmented_loss.md §5, Trick 2)
-                kl = lse_tau - torch.linalg.vecdot(teacher_rows, scaled) - teacher.entropy.index_select(
-                    0, teacher.index[start:stop]
+            for b in range(start, stop, block):
+                e = min(b + block, stop)
+                z = z_chunk[b - start : e - start]
+                y = target[b:e]
+                target_logit = z.gather(1, y.unsqueeze(1)).squeeze(1)
+                row_max = z.amax(dim=1, keepdim=True)
+                logit_sum = z.sum(dim=-1) if eps_i > 0 else None
+
+                if teacher is not None:
+                    index = teacher.index[b:e]
+                    t = teacher_rows[: e - b]
+                    if teacher.probs.dtype == acc:
+                        torch.index_select(teacher.probs, 0, index, out=t)
+                    else:
+                        t.copy_(teacher.probs.index_select(0, index))
+                    teacher_dot = _row_dot(t, z)  # t . z, before z is overwritten
+                    # q = exp((z - max z) / tau): max(z / tau) = max(z) / tau, so one row max serves both
+                    q = tempered_buf[b - start : e - start] if separate_aug else tempered_buf[: e - b]
+                    torch.add(row_max * -inv_tau, z, alpha=inv_tau, out=q)
+                    q.exp_()
+                    q_sum = q.sum(dim=-1)
+                    lse_tau = row_max.squeeze(1) * inv_tau + q_sum.log()
+                    # KL(t || softmax(z/tau)) = lse(z/tau) - t.z/tau - H(t)   (augmented_loss.md §5, Trick 2)
+                    kl = lse_tau - teacher_dot * inv_tau - teacher.entropy.index_select(0, index)
+                    aug_sum += kl.sum()
+                    loss += teacher.coef * kl.sum()
+
+                z.sub_(row_max).exp_()  # z now holds exp(z - max z)
+                z_sum = z.sum(dim=-1)
+                lse = row_max.squeeze(1) + z_sum.log()
+                nll = lse - target_logit
+                nll_sum += nll.sum()
+                if eps_i > 0:
+                    smooth = vocab * lse - logit_sum  # sum_k -log p_k
+                    loss += (target_weight * nll + eps_i * smooth).sum()
+                else:
+                    loss += nll.sum()
+                if not needs_grad:
+                    continue
+
+                # G = softmax(Z) - Q with Q = (1-eps-eps_i) onehot + eps_i, in place on the logits
+                z.mul_(z_sum.reciprocal().unsqueeze(1))
+                if eps_i > 0:
+                    z.sub_(eps_i)
+                z.scatter_add_(
+                    1, y.unsqueeze(1), torch.full((e - b, 1), -target_weight, dtype=z.dtype, device=z.device)
                 )
-                aug_sum += kl.sum()
-                loss += teacher.coef * kl.sum()
-                if needs_grad:
-                    # d KL / d z = (softmax(z/tau) - t) / tau  (augmented_loss.md §4)
-                    aug_grad = scaled.sub_(lse_tau.unsqueeze(1)).exp_().sub_(teacher_rows)
-                    aug_grad.mul_(teacher.coef / tau)
-                del teacher_rows, scaled
+                if teacher is not None:
+                    q.mul_((aug_scale / q_sum).unsqueeze(1)).sub_(t, alpha=aug_scale)
+                    if not separate_aug:
+                        z.add_(q)  # one gradient for dH and dW
 
             if not needs_grad:
                 continue
-            # G = softmax(Z) - Q with Q = (1-eps-eps_i) onehot + eps_i  (in place on the logits)
-            grad = logits.sub_(lse.unsqueeze(1)).exp_()
-            if eps_i > 0:
-                grad.sub_(eps_i)
-            grad.scatter_add_(
-                1, y.unsqueeze(1), torch.full((stop - start, 1), -target_weight, dtype=grad.dtype, device=grad.device)
-            )
-            if aug_grad is not None:
-                if gates is None or teacher.gate_with_agg:
-                    grad.add_(aug_grad)  # one gradient for dH and dW
-                    aug_grad = None
-                else:
-                    total = grad + aug_grad
-                    _matmul_into(grad_hidden[start:stop], total, weight)
-                    del total
-            if aug_grad is None:
+            grad = z_chunk
+            if not separate_aug:
                 _matmul_into(grad_hidden[start:stop], grad, weight)  # hidden states: un-gated
+            else:
+                # dH from the un-gated total, dW from the gated CE part plus the un-gated AL part
+                # (augmented_loss.md §8.8): the AL buffer holds the total for the matmul, then G is
+                # taken back out of it
+                aug_grad = tempered_buf[: stop - start]
+                aug_grad.add_(grad)
+                _matmul_into(grad_hidden[start:stop], aug_grad, weight)
+                aug_grad.sub_(grad)
             if gates is not None:
+                y = target[start:stop]
                 _gate_rows_(grad, y, gates, rare_of_target[start:stop].nonzero().squeeze(1))
-            if aug_grad is not None:
-                grad.add_(aug_grad)  # AL part of dW un-gated (augmented_loss.md §8.8)
+            if separate_aug:
+                grad.add_(aug_grad)
             _matmul_into(grad_weight, grad.t(), h, accumulate=True)
-            del grad, aug_grad
 
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.input_dtypes = (hidden.dtype, weight.dtype)

@@ -34,7 +34,7 @@ When: in training, at the forward pass of update N, 2N, ... (the update counter 
 ``num_updates`` meter that the trainer logs after every update, see :func:`completed_updates`,
 or the ``num_updates`` a criterion passes; the weights measured are those after N−1 optimizer
 steps); at most once per update whatever ``--update-freq`` is; resumed runs continue the
-schedule (the meters saved in checkpoints are plain fairseq ``AverageMeter``\ s). In
+schedule (the meters saved in checkpoints are plain fairseq ``AverageMeter`` objects). In
 evaluation mode (validation, ``fairseq-validate``), once per validation pass and subset, on the
 weights being validated (off with ``--no-embed-stats-valid``). The O(V·d²) isotropy has its own
 interval, by default 10 × ``--embed-stats-interval``. Off (the default) costs one attribute test
