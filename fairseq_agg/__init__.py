@@ -1,14 +1,24 @@
 """fairseq-agg: token-embedding remedies and metrics for fairseq, loaded with ``--user-dir``.
 
-Importing this package registers its criteria, models and architectures with fairseq, so
-``fairseq-train --user-dir $(fairseq-agg user-dir) ...`` (or ``python -m fairseq_agg``) is all a
-run needs.
+Importing this package registers its criteria, models and architectures with fairseq: fairseq's
+``--user-dir DIR`` imports the package by the directory's name, so
+``fairseq-train --user-dir "$(fairseq-agg)" ...`` is all a run needs. (``fairseq-agg`` itself finds
+the directory without importing the package; see ``fairseq_agg_cli``.)
 """
 import os
+import re
 
 __version__ = "0.1.0"
 
 USER_DIR = os.path.dirname(os.path.abspath(__file__))
+
+MIN_TORCH = (2, 1)  # F.scaled_dot_product_attention(scale=...) in the MLRA attention
+
+_INSTALL_HINT = (
+    "install torch >= 2.1, then a fairseq built against it: stock fairseq 0.12.x (Python <= 3.10), "
+    "fairseq main from source, or the fork with pip install --no-build-isolation 'fairseq-agg[fairseq]' "
+    "(scripts/setup_env.sh does all of this)"
+)
 
 
 def user_dir() -> str:
@@ -16,15 +26,29 @@ def user_dir() -> str:
     return USER_DIR
 
 
-# fairseq stores the argparse.Namespace of models without a dataclass config (transformer,
-# transformer_mlra) in checkpoints, and torch >= 2.6 loads with weights_only=True, which refuses that
-# class: allow it, so fairseq-generate / fairseq-interactive with --user-dir load such checkpoints.
-import argparse as _argparse  # noqa: E402
+def _require_torch_and_fairseq():
+    # Neither is a pinned dependency (installing the plugin must not replace a user's torch or
+    # fairseq), so a missing or too old one is reported here, in one line.
+    try:
+        import torch
+        import fairseq  # noqa: F401
+    except ModuleNotFoundError as e:
+        if e.name not in ("torch", "fairseq"):
+            raise
+        raise ImportError(f"fairseq-agg needs {e.name}, which is not installed: {_INSTALL_HINT}") from None
+    found = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    if found and tuple(int(x) for x in found.groups()) < MIN_TORCH:
+        raise ImportError(
+            f"fairseq-agg needs torch >= {'.'.join(map(str, MIN_TORCH))}, found {torch.__version__}: "
+            "upgrade torch and rebuild fairseq against it"
+        )
 
-import torch as _torch  # noqa: E402
 
-if hasattr(_torch.serialization, "add_safe_globals"):
-    _torch.serialization.add_safe_globals([_argparse.Namespace])
+_require_torch_and_fairseq()
+
+from .fairseq_hooks import allow_namespace_in_checkpoints  # noqa: E402
+
+allow_namespace_in_checkpoints()
 
 # Registration side effects: fairseq's registries are filled on import.
 from . import criterions  # noqa: E402,F401

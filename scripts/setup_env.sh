@@ -3,6 +3,8 @@
 # torch, fairseq (fairseq-fixed, built against that torch) and this package into it.
 # Idempotent: a second run only checks that everything imports.
 # Usage: scripts/setup_env.sh [--test]   (--test also installs the test extra)
+# Environment: PYTHON (the interpreter of a new venv, default python3), FAIRSEQ_AGG_TORCH_VERSION
+# (default 2.13.0), FAIRSEQ_AGG_TORCH_INDEX_URL (pip's --index-url for torch only).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
@@ -18,18 +20,23 @@ vpy="$venv/bin/python"
 stamp="$venv/.fairseq-agg-installed$extra"
 
 if [[ -f "$stamp" ]] && "$vpy" -c "import torch, fairseq, fairseq_agg" >/dev/null 2>&1 \
-   && [[ "$stamp" -nt "$root/setup.py" ]]; then
+   && [[ "$stamp" -nt "$root/pyproject.toml" ]]; then
   exit 0
 fi
 
-"$vpy" -m pip install -q --upgrade pip setuptools wheel
+# --no-build-isolation below builds with the venv's own setuptools and wheel: a fresh venv's are
+# too old (or missing) for fairseq's setup.py and this package's pyproject.toml.
+"$vpy" -m pip install -q --upgrade pip "setuptools>=77" wheel
 # torch first: fairseq is built against the installed torch (no build isolation), otherwise pip
 # would fetch a second, multi-GB torch into the build environment.
 if ! "$vpy" -c "import torch" >/dev/null 2>&1; then
   echo "[setup] installing torch"
-  "$vpy" -m pip install -q "torch==${FAIRSEQ_AGG_TORCH_VERSION:-2.13.0}"
+  # FAIRSEQ_AGG_TORCH_INDEX_URL: e.g. PyTorch's index of the CUDA build a GPU cluster needs
+  "$vpy" -m pip install -q "torch==${FAIRSEQ_AGG_TORCH_VERSION:-2.13.0}" \
+    ${FAIRSEQ_AGG_TORCH_INDEX_URL:+--index-url "$FAIRSEQ_AGG_TORCH_INDEX_URL"}
 fi
-"$vpy" -m pip install -q "cython<3.1" "numpy<2.3"
+# numpy < 2: fairseq's TokenBlockDataset (--sample-break-mode eos/complete) uses np.compat, gone in 2.0
+"$vpy" -m pip install -q "cython<3.1" "numpy<2"
 if ! "$vpy" -c "import fairseq" >/dev/null 2>&1; then
   echo "[setup] building fairseq-fixed 0.12.3.1 from source (takes a few minutes)"
   "$vpy" -m pip install -q --no-build-isolation "fairseq-fixed==0.12.3.1"

@@ -9,8 +9,9 @@ last checkpoints. Usage::
     fairseq-agg average-checkpoints --inputs a.pt b.pt c.pt --output avg.pt
 
 The output is the newest input checkpoint with its model weights replaced by the average (the
-optimizer state is dropped: it belongs to none of the averaged weights), so fairseq-generate,
-fairseq-eval-lm and fairseq-agg-analyze load it like any checkpoint.
+optimizer state is dropped: it belongs to none of the averaged weights), saved in the layout
+fairseq-train writes, so fairseq-generate, fairseq-interactive, fairseq-eval-lm and
+fairseq-agg-analyze load it like any checkpoint, with torch's default safe loading.
 """
 import argparse
 import collections
@@ -19,6 +20,8 @@ import re
 import sys
 
 import torch
+
+from fairseq_agg.fairseq_hooks import allow_namespace_in_checkpoints
 
 _EPOCH_RE = re.compile(r"checkpoint(\d+)\.pt")
 _UPDATE_RE = re.compile(r"checkpoint_\d+_(\d+)\.pt")
@@ -55,8 +58,22 @@ def _load(path):
     # it is allow-listed.
     from fairseq import checkpoint_utils
 
-    torch.serialization.add_safe_globals([argparse.Namespace])
+    allow_namespace_in_checkpoints()
     return checkpoint_utils.load_checkpoint_to_cpu(path)
+
+
+def _as_saved_by_fairseq(state):
+    """``state`` with ``cfg`` a plain container again, as fairseq's Trainer.state_dict saves it.
+
+    fairseq's loader turns ``cfg`` into an OmegaConf DictConfig, a class torch's safe loading
+    (weights_only=True, the default since torch 2.6) refuses: saved as loaded, the average could
+    only be read with TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1.
+    """
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(state.get("cfg")):
+        state["cfg"] = OmegaConf.to_container(state["cfg"], resolve=True, enum_to_str=True)
+    return state
 
 
 def average_checkpoints(paths):
@@ -97,7 +114,7 @@ def average_checkpoints(paths):
     if isinstance(base.get("extra_state"), dict):
         base["extra_state"].pop("ema", None)
         base["extra_state"].pop("ema_fp32_params", None)
-    return base
+    return _as_saved_by_fairseq(base)
 
 
 def build_parser():
@@ -139,9 +156,11 @@ def main(argv=None):
         state = average_checkpoints(paths)
     except ValueError as e:
         parser.error(str(e))
-    out_dir = os.path.dirname(os.path.abspath(args.output))
-    os.makedirs(out_dir, exist_ok=True)
-    torch.save(state, args.output)
+    from fairseq import checkpoint_utils
+
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    # fairseq's own writer: a temporary file renamed into place, so no half-written output remains
+    checkpoint_utils.torch_persistent_save(state, args.output)
     print(f"averaged {len(paths)} checkpoints -> {args.output}")
     for path in paths:
         print(f"  {path}")

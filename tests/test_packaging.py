@@ -1,0 +1,197 @@
+"""The package as pip installs it: built from its sdist, installed into an environment that already
+holds torch and fairseq, it changes neither and works as fairseq's --user-dir.
+
+No second torch or fairseq is installed: the test environments are fresh venvs that see this
+environment's packages through a .pth file, via a directory of links that leaves out this
+checkout's own (editable) install, and pip runs with --no-index and no configuration, so it can
+take nothing from anywhere else. pip's install report lists what it would have changed.
+"""
+import email
+import glob
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import zipfile
+
+import pytest
+import torch
+
+import fairseq
+import fairseq_agg
+from fairseq_agg.testing import fairseq_runs as fr
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# what the sdist is built from (the rest of the checkout is not part of the package)
+SOURCES = ("pyproject.toml", "README.md", "LICENSE", "fairseq_agg_cli.py", "fairseq_agg")
+SITE_PACKAGES = sysconfig.get_paths()["purelib"]
+
+
+def _clean_env(**extra):
+    """os.environ without pip settings, without PYTHONPATH and with pip's config files off."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k != "PYTHONPATH"}
+    env.update(PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1", **extra)
+    return env
+
+
+def _run(cmd, cwd, env=None, expect_ok=True, timeout=600):
+    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env or _clean_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    if expect_ok and proc.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def _pip(*args, cwd):
+    return _run([sys.executable, "-m", "pip", *args], cwd=cwd)
+
+
+def _distribution_of(module_name):
+    """The installed distribution that provides the import name ``module_name``."""
+    names = importlib.metadata.packages_distributions().get(module_name, [])
+    assert len(names) == 1, (module_name, names)
+    return names[0]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """sdist of the checkout's package sources, and the wheel pip builds from that sdist."""
+    root = tmp_path_factory.mktemp("build")
+    src = root / "src"
+    src.mkdir()
+    for name in SOURCES:
+        path = os.path.join(REPO, name)
+        if os.path.isdir(path):
+            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(path, src / name)
+    dist = root / "dist"
+    # the PEP 517 hook a frontend calls; build isolation off, as in scripts/setup_env.sh
+    code = "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
+    sdist = dist / _run([sys.executable, "-c", code, dist], cwd=src).stdout.strip().splitlines()[-1]
+    unpacked = root / "unpacked"
+    with tarfile.open(sdist) as tar:
+        tar.extractall(unpacked, filter="data")
+    (sdist_dir,) = unpacked.iterdir()
+    _pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", dist, sdist_dir, cwd=root)
+    (wheel,) = glob.glob(str(dist / "*.whl"))
+    return {"sdist": str(sdist), "wheel": wheel, "root": root}
+
+
+def _wheel_file(wheel, suffix):
+    with zipfile.ZipFile(wheel) as zf:
+        return zf.read(next(n for n in zf.namelist() if n.endswith(suffix))).decode()
+
+
+def _wheel_metadata(wheel):
+    with zipfile.ZipFile(wheel) as zf:
+        files = zf.namelist()
+    return email.message_from_string(_wheel_file(wheel, ".dist-info/METADATA")), files
+
+
+def test_sdist_and_wheel_contents(built):
+    with tarfile.open(built["sdist"]) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    assert {"pyproject.toml", "README.md", "LICENSE", "fairseq_agg_cli.py", "fairseq_agg/__init__.py"} <= names
+    meta, files = _wheel_metadata(built["wheel"])
+    assert meta["Name"] == "fairseq-agg" and meta["Version"] == fairseq_agg.__version__
+    assert meta["License-Expression"] == "MIT"
+    assert any(f.endswith(".dist-info/licenses/LICENSE") for f in files)
+    assert "fairseq_agg_cli.py" in files and "fairseq_agg/criterions/agg.py" in files
+    assert not any(f.startswith(("tests/", "examples/", "scripts/")) for f in files)
+    entry_points = _wheel_file(built["wheel"], ".dist-info/entry_points.txt")
+    assert "fairseq-agg = fairseq_agg_cli:main" in entry_points
+    assert "fairseq-agg-analyze = fairseq_agg.stats.analyze:main" in entry_points
+
+
+def test_requirements_never_replace_torch_or_fairseq(built):
+    """Whatever fairseq distribution provides ``import fairseq`` (stock fairseq 0.12.x, a source
+    install of fairseq main, fairseq-fixed), no requirement names another one, and torch is not
+    pinned: only the `fairseq` extra asks for the fork."""
+    meta, _ = _wheel_metadata(built["wheel"])
+    requirements = meta.get_all("Requires-Dist")
+    by_name = {}
+    for req in requirements:
+        name = re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower().replace("_", "-")
+        by_name.setdefault(name, []).append(req)
+    assert by_name["torch"] == ["torch"]
+    assert "fairseq" not in by_name
+    assert by_name["fairseq-fixed"] == ['fairseq-fixed==0.12.3.1; extra == "fairseq"']
+    assert meta["Requires-Python"] == ">=3.9"
+
+
+def _venv_with_links(path, leave_out):
+    """A venv whose sys.path also holds links to this environment's packages, minus ``leave_out``
+    (names matched by prefix) and this checkout's install; returns (python, site-packages)."""
+    _run([sys.executable, "-m", "venv", "--without-pip", path], cwd=os.path.dirname(path))
+    python = os.path.join(path, "bin", "python")
+    purelib = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=path).stdout.strip()
+    links = os.path.join(path, "outer-packages")
+    os.mkdir(links)
+    skip = ("fairseq_agg", "__editable__", "_distutils_hack") + tuple(leave_out)
+    for name in os.listdir(SITE_PACKAGES):
+        if not name.startswith(skip) and not name.endswith(".pth"):
+            os.symlink(os.path.join(SITE_PACKAGES, name), os.path.join(links, name))
+    with open(os.path.join(purelib, "outer-packages.pth"), "w") as f:
+        f.write(links + "\n")
+    return python, purelib
+
+
+_VERSIONS = ("import importlib.metadata as m, json, os, torch, fairseq; "
+             "print(json.dumps([torch.__version__, os.path.realpath(torch.__file__), "
+             "m.version({dist!r}), os.path.realpath(fairseq.__file__)]))")
+
+
+def test_install_into_an_environment_with_torch_and_fairseq(built, lm_data_bin, tmp_path):
+    fairseq_dist = _distribution_of("fairseq")
+    python, purelib = _venv_with_links(str(tmp_path / "venv"), leave_out=())
+    versions = _VERSIONS.format(dist=fairseq_dist)
+    before = json.loads(_run([python, "-c", versions], cwd=tmp_path).stdout)
+    assert before == [torch.__version__, os.path.realpath(torch.__file__), importlib.metadata.version(fairseq_dist),
+                      os.path.realpath(fairseq.__file__)]
+
+    # with dependencies: everything the package needs must already be there
+    report = tmp_path / "report.json"
+    _pip("--python", python, "install", "--no-index", "--report", report, built["wheel"], cwd=tmp_path)
+    installed = [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]]
+    assert installed == ["fairseq-agg"]
+    assert json.loads(_run([python, "-c", versions], cwd=tmp_path).stdout) == before
+    own = os.listdir(purelib)
+    assert not [n for n in own if re.match(r"(torch|fairseq)(?!_agg)", n)], own
+
+    # the installed package, not the checkout, from an unrelated working directory
+    where = _run([python, "-c", "import fairseq_agg, fairseq_agg_cli; print(fairseq_agg.__file__); "
+                  "print(fairseq_agg_cli.__file__)"], cwd=tmp_path).stdout.split()
+    installed_dir = os.path.join(purelib, "fairseq_agg")
+    assert where == [os.path.join(installed_dir, "__init__.py"), os.path.join(purelib, "fairseq_agg_cli.py")]
+    printed = _run([os.path.join(os.path.dirname(python), "fairseq-agg")], cwd=tmp_path).stdout.strip()
+    assert printed == installed_dir
+
+    # a real training run with the plugin's criterion, loaded by fairseq from the installed
+    # directory (python -m fairseq_cli.train is what the fairseq-train script runs)
+    proc = _run([python, "-m", "fairseq_cli.train", lm_data_bin, "--user-dir", printed, *fr.TINY_LM_ARGS,
+                 "--criterion", "cross_entropy_agg", "--max-update", "3", "--no-save", "--log-format", "json"],
+                cwd=tmp_path, env=_clean_env(OMP_NUM_THREADS="2"))
+    records = [r for r in fr.read_json_log(proc.stdout + proc.stderr) if "agg_rare" in r]
+    assert records and records[-1]["num_updates"] == "3", proc.stdout[-3000:]
+
+
+def test_import_without_fairseq_says_what_to_install(built, tmp_path):
+    fairseq_dist = _distribution_of("fairseq")
+    leave_out = ("fairseq", "fairseq_cli", fairseq_dist.replace("-", "_"))
+    python, purelib = _venv_with_links(str(tmp_path / "venv"), leave_out=leave_out)
+    _pip("--python", python, "install", "--no-index", "--no-deps", built["wheel"], cwd=tmp_path)
+    proc = _run([python, "-c", "import fairseq_agg"], cwd=tmp_path, expect_ok=False)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: fairseq-agg needs fairseq, which is not installed: ")
+    assert "--no-build-isolation 'fairseq-agg[fairseq]'" in last
+    assert "ModuleNotFoundError" not in proc.stderr  # the one line, not a chained traceback
+    # the path still prints: it needs neither torch nor fairseq
+    printed = _run([os.path.join(os.path.dirname(python), "fairseq-agg")], cwd=tmp_path).stdout.strip()
+    assert printed == os.path.join(purelib, "fairseq_agg")
