@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# Prepares, here (where the package registry is reachable), everything that the accelerator machine
+# lacks for scripts/device/gpu_check.sh: that machine has Python 3.12, a CUDA build of torch,
+# Triton, numpy, sentencepiece and sacrebleu, but no fairseq and no network.
+#
+# Writes the git-ignored bundle folder (default .device_bundle/ at the repository root):
+#   wheels/            CPython wheels for the target Python on manylinux x86-64 (or pure-Python ones)
+#   sdist/             the fairseq-fixed source release, built there against the torch there
+#   requirements.txt   what gpu_check.sh installs from wheels/ (exact versions)
+#   requirements-optional.txt  the same for Liger-Kernel, whose failure is not fatal there
+#   SHA256SUMS         checked by gpu_check.sh before it installs anything
+#   INFO.txt           target Python, date, sizes
+# This package itself is not bundled: gpu_check.sh runs in a copy of the working tree and installs
+# the package from there, so the check always measures the code it is run from.
+#
+# Usage: scripts/device/prepare.sh [--python-version 3.12] [--dest DIR]
+#   --python-version  target CPython minor version (3.12 for the accelerator machine; another
+#                     version only to rehearse the offline install on a machine with that Python)
+#   --dest            bundle folder (default: .device_bundle/ at the repository root)
+# Environment: PYTHON = the interpreter whose pip downloads (default: .venv/bin/python); it must have
+# torch, Cython and numpy, which fairseq's setup.py imports to describe its source release.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+pyver="3.12"
+dest="$root/.device_bundle"
+max_mib=60
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --python-version) pyver="${2:?--python-version needs a value such as 3.12}"; shift 2 ;;
+    --dest) dest="${2:?--dest needs a folder}"; shift 2 ;;
+    -h|--help) sed -n '2,22p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    *) echo "prepare.sh: unknown argument $1 (allowed: --python-version X.Y, --dest DIR)" >&2; exit 2 ;;
+  esac
+done
+if [[ ! "$pyver" =~ ^3\.[0-9]+$ ]]; then
+  echo "prepare.sh: --python-version must look like 3.12, got $pyver" >&2
+  exit 2
+fi
+py="${PYTHON:-$root/.venv/bin/python}"
+if ! "$py" -c "import pip, torch, Cython, numpy" >/dev/null 2>&1; then
+  echo "prepare.sh: $py needs pip, torch, Cython and numpy (run scripts/setup_env.sh first, or set PYTHON)" >&2
+  exit 2
+fi
+abi="cp${pyver/./}"
+
+# Wheels for the target interpreter (compiled for its ABI, or pure): fairseq's import-time needs
+# (hydra-core and omegaconf at fairseq's pinned versions, PyYAML for omegaconf, bitarray, regex,
+# tqdm; scikit-learn with scipy, joblib and threadpoolctl because fairseq's task registry imports
+# sklearn), and packaging (for Liger-Kernel). scipy 1.16.3 works with numpy 1.25.2-2.5.
+BINARY=(
+  "hydra-core==1.3.2"
+  "omegaconf==2.3.0"
+  "PyYAML==6.0.4"
+  "bitarray==3.12.3"
+  "regex==2026.11.19"
+  "tqdm==4.70.1"
+  "packaging==26.4"
+  "scipy==1.16.3"
+  "scikit-learn==1.7.2"
+  "joblib==1.5.2"
+  "threadpoolctl==3.8.0"
+)
+# Optional: the baseline gpu_check.sh installs on its own (it needs the Triton there; without it
+# the check records Liger as skipped instead of failing the install).
+OPTIONAL=("liger-kernel==0.8.5")
+# Pure-Python distributions: the runtime omegaconf pins (published as a source release only, so it
+# is turned into a wheel here) and Cython, which fairseq's build needs for its two .pyx modules
+# (the pure-Python Cython wheel is a third of the size of the compiled one and works on any Python).
+PURE_BUILT=("antlr4-python3-runtime==4.9.3")
+PURE_WHEEL=("Cython==3.0.12")
+# setuptools: torch brings one, but building this package needs >= 77 (its pyproject.toml); the
+# bundled one is installed only where the one there is older.
+SETUPTOOLS_WHEEL="setuptools==80.9.0"  # no dependencies of its own (84.x has some)
+SETUPTOOLS_NEED="setuptools>=77.0.3"
+FAIRSEQ="fairseq-fixed==0.12.3.1"
+
+work="$dest.partial"
+rm -rf "$work"
+mkdir -p "$work/wheels" "$work/sdist"
+trap 'rm -rf "$work"' EXIT
+
+pip_dl=("$py" -m pip download --disable-pip-version-check --no-deps --dest "$work/wheels")
+echo "[prepare] binary wheels for CPython $pyver (manylinux x86-64)"
+"${pip_dl[@]}" --only-binary=:all: --implementation cp --python-version "$pyver" --abi "$abi" \
+  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+  "${BINARY[@]}" "${OPTIONAL[@]}"
+echo "[prepare] pure-Python wheels"
+"${pip_dl[@]}" --only-binary=:all: --implementation py --python-version "$pyver" --abi none --platform any \
+  "${PURE_WHEEL[@]}" "$SETUPTOOLS_WHEEL"
+"$py" -m pip wheel --disable-pip-version-check --no-deps --no-build-isolation --wheel-dir "$work/wheels" \
+  "${PURE_BUILT[@]}"
+echo "[prepare] $FAIRSEQ source release"
+"$py" -m pip download --disable-pip-version-check --no-deps --no-binary=:all: --no-build-isolation \
+  --dest "$work/sdist" "$FAIRSEQ"
+
+# Every wheel must be installable on the target: pure (py3/none/any) or for this CPython ABI.
+bad=""
+for f in "$work"/wheels/*.whl; do
+  tags="${f##*/}"; tags="${tags%.whl}"
+  case "$tags" in
+    *-none-any|*-"$abi"-"$abi"-manylinux*) ;;
+    *) bad+=" ${f##*/}" ;;
+  esac
+done
+if [[ -n "$bad" ]]; then
+  echo "prepare.sh: wheels not for CPython $pyver x86-64:$bad" >&2
+  exit 1
+fi
+
+printf '%s\n' "${BINARY[@]}" "${PURE_BUILT[@]}" "${PURE_WHEEL[@]}" "$SETUPTOOLS_NEED" > "$work/requirements.txt"
+printf '%s\n' "${OPTIONAL[@]}" > "$work/requirements-optional.txt"
+(cd "$work" && find wheels sdist -type f | sort | xargs sha256sum > SHA256SUMS)
+bytes=$(du -sb "$work" | cut -f1)
+mib=$(awk -v b="$bytes" 'BEGIN { printf "%.1f", b / 1048576 }')
+{
+  echo "target: CPython $pyver, manylinux x86-64"
+  echo "prepared: $(date -u +%Y-%m-%dT%H:%M:%SZ) with $("$py" -m pip --version | cut -d' ' -f1-2)"
+  echo "size: $bytes bytes ($mib MiB)"
+  echo "fairseq: $FAIRSEQ (source release, built there with --no-build-isolation)"
+} > "$work/INFO.txt"
+
+echo "[prepare] contents:"
+(cd "$work" && find wheels sdist -type f -printf '%s\t%p\n' | sort -k2 \
+  | awk -F'\t' '{ printf "  %8.2f MiB  %s\n", $1 / 1048576, $2 }')
+if awk -v b="$bytes" -v m="$max_mib" 'BEGIN { exit !(b >= m * 1048576) }'; then
+  echo "prepare.sh: the bundle is $mib MiB, over the $max_mib MiB limit; nothing written to $dest" >&2
+  exit 1
+fi
+rm -rf "$dest"
+mv "$work" "$dest"
+trap - EXIT
+echo "[prepare] bundle: $dest ($mib MiB, limit $max_mib MiB)"
+echo "[prepare] run there: bash scripts/device/gpu_check.sh   (carry ${dest#"$root"/})"

@@ -1,0 +1,179 @@
+"""The prepared accelerator check (scripts/device/gpu_check.sh) in its CPU smoke mode, so that it
+cannot rot while no accelerator is lent: the same code paths at tiny shapes, real fairseq-train
+subprocesses, and real comparisons of the fused output layer with the float64 reference."""
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fairseq_agg.testing import gpu_check
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPU_CHECK_SH = os.path.join(REPO, "scripts", "device", "gpu_check.sh")
+PREPARE_SH = os.path.join(REPO, "scripts", "device", "prepare.sh")
+PLAN = gpu_check.CPU_SMOKE_PLAN
+
+
+def _run_sh(script, args, out_dir, extra_env=None, timeout=600):
+    env = dict(os.environ, PYTHON=sys.executable, OUT=str(out_dir), OMP_NUM_THREADS="2")
+    env.update(extra_env or {})
+    return subprocess.run(["bash", script, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check_smoke")
+    proc = _run_sh(GPU_CHECK_SH, ["--cpu-smoke", "--budget-s", "500"], out)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    with open(out / "gpu_check.json") as f:
+        data = json.load(f)
+    markdown = (out / "gpu_check.md").read_text()
+    return data, markdown, out
+
+
+def test_smoke_runs_every_part(smoke):
+    data, _, out = smoke
+    assert data["meta"]["mode"] == "cpu-smoke"
+    assert set(data["parts"]) == {"correctness", "output_layer", "train", "stats"}
+    for name, part in data["parts"].items():
+        assert part["status"] == "ok", (name, part)
+    assert data["install"]["status"] == "skipped"  # smoke mode uses the current environment
+    assert (out / "gpu_check.log").read_text().count("[gpu_check] part") == 4
+
+
+def test_fused_output_layer_matches_the_reference(smoke):
+    part = smoke[0]["parts"]["correctness"]
+    assert part["passed"] is True
+    cases = {(c["case"], c["dtype"]): c for c in part["cases"]}
+    names = ("CE", "AGG eps=0", "AGG eps=0.1", "AL")
+    assert set(cases) == {(case, dtype) for case in names for dtype in ("fp32", "bf16")}
+    for (case, dtype), c in cases.items():
+        for quantity in ("loss", "nll", "dH", "dW"):
+            assert math.isfinite(c[quantity]) and c[quantity] <= gpu_check.TOLERANCE[dtype], (case, dtype, quantity, c)
+    # fp32 agrees far more closely than bf16: the comparison is against float64, not against itself
+    assert max(cases[("CE", "fp32")][q] for q in ("dH", "dW")) < 1e-5
+    assert cases[("CE", "bf16")]["dW"] > cases[("CE", "fp32")]["dW"]
+    # the AGG cases exercise the gates: rare targets, some with g2 < 1, and a dW that differs from CE's
+    assert part["rare_target_fraction"] > 0.05
+    assert part["g2_below_one_target_fraction"] > 0
+    assert part["agg_vs_ce_dW_rel"] > 1e-3
+
+
+def test_output_layer_variants_compute_the_same_loss(smoke):
+    part = smoke[0]["parts"]["output_layer"]
+    assert set(part["runs"]) == {f"{s} {d}" for s in PLAN.shapes for d in PLAN.bench_dtypes}
+    if importlib.util.find_spec("liger_kernel") is None:
+        assert part["liger"].startswith("skipped: liger_kernel not importable")
+    for key, entry in part["runs"].items():
+        v = entry["variants"]
+        assert {"stock", "fused_ce", "agg", "al"} <= set(v), key
+        for name, m in v.items():
+            assert m["median_ms"] > 0 and len(m["ms"]) == PLAN.repeats, (key, name, m)
+        # AGG changes gradients only; the stock criterion (fairseq's functions) and the fused CE
+        # give the same loss; AL adds coef * KL >= 0
+        tol = 1e-5 if key.endswith("fp32") else 2e-2
+        assert abs(v["fused_ce"]["loss"] - v["stock"]["loss"]) <= tol * abs(v["stock"]["loss"])
+        assert v["agg"]["loss"] == pytest.approx(v["fused_ce"]["loss"], rel=1e-6)
+        assert v["al"]["loss"] > v["fused_ce"]["loss"]
+        assert set(entry["sweep"]) == {f"{n}@{c}" for n in ("agg", "al") for c in PLAN.chunk_sweep}
+        assert entry["ratios"]["agg_time_vs_stock"] == pytest.approx(
+            v["agg"]["median_ms"] / v["stock"]["median_ms"], rel=1e-2)
+        assert entry["rare_target_fraction"] > 0
+
+
+def test_real_fairseq_train_runs(smoke):
+    part = smoke[0]["parts"]["train"]
+    runs = {r["name"]: r for r in part["runs"]}
+    assert set(runs) == {"stock cross_entropy", "cross_entropy_agg", "augmented_loss", "MLRA"}
+    for name, run in runs.items():
+        assert run["returncode"] == 0 and "error" not in run, run
+        assert run["num_updates"] == PLAN.updates
+        assert run["wps"] > 0 and run["wpb"] > 0
+        assert math.isfinite(run["loss_last"])
+    assert runs["MLRA"]["arch"] == PLAN.train_mlra_arch
+    assert set(part["ratios"]) == {"fp32 cross_entropy_agg", "fp32 augmented_loss", "fp32 MLRA"}
+
+
+def test_statistics_step(smoke):
+    part = smoke[0]["parts"]["stats"]
+    assert (part["V"], part["d"]) == PLAN.stats_shape
+    assert part["tev_step_ms"] > 0 and part["isotropy_step_ms"] > 0
+    assert 0 < part["values"]["isotropy"] <= 1
+    assert part["values"]["tev_mu"] > 0
+    assert part["share_of_training"] > 0  # against the smoke AGG run's seconds per update
+
+
+def test_markdown_has_every_section(smoke):
+    data, markdown, _ = smoke
+    for header in ("## 1. Correctness", "## 2. Output layer", "## 3. fairseq-train", "## 4. Embedding statistics",
+                   "## Targets"):
+        assert header in markdown
+    assert "| AGG eps=0.1 | bf16 |" in markdown
+    assert "CPU smoke run" in markdown
+    targets = {t["target"] for t in data["targets"]}
+    assert "AGG output-layer time / stock fairseq" in targets
+    assert "fairseq-train words/s, AGG / stock" in targets
+
+
+def test_a_failing_part_is_recorded_and_the_next_still_runs(tmp_path):
+    report = gpu_check.Report(str(tmp_path), {"mode": "cpu-smoke", "date": "-", "device": "-", "torch": "-",
+                                               "python": "-", "fairseq_agg": "-", "command": "-"})
+    budget = gpu_check.Budget(deadline=float("inf"))
+
+    def broken():
+        raise RuntimeError("out of memory")
+
+    report.run_part("correctness", broken, budget, 1)
+    report.run_part("stats", lambda: {"V": 1}, budget, 1)
+    report.run_part("train", lambda: {}, gpu_check.Budget(deadline=0.0), 1)
+    parts = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]
+    assert parts["correctness"]["status"] == "error" and "out of memory" in parts["correctness"]["error"]
+    assert parts["stats"]["status"] == "ok"
+    assert parts["train"]["status"] == "skipped" and "time budget" in parts["train"]["reason"]
+
+
+def test_bad_arguments_are_refused_up_front(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "fairseq_agg.testing.gpu_check", "--cpu-smoke", "--out",
+                           str(tmp_path), "--parts", "correctness,speed"], capture_output=True, text=True)
+    assert proc.returncode != 0 and "--parts" in proc.stderr and "speed" in proc.stderr
+    assert not (tmp_path / "gpu_check.json").exists()
+    proc = _run_sh(GPU_CHECK_SH, ["--budget-s", "ten"], tmp_path)
+    assert proc.returncode == 2 and "--budget-s" in proc.stderr
+    proc = _run_sh(PREPARE_SH, ["--python-version", "twelve"], tmp_path)
+    assert proc.returncode == 2 and "--python-version" in proc.stderr
+
+
+def test_missing_bundle_is_reported(tmp_path):
+    proc = _run_sh(GPU_CHECK_SH, [], tmp_path, {"BUNDLE": str(tmp_path / "no_bundle")})
+    assert proc.returncode == 1
+    install = json.loads((tmp_path / "install.json").read_text())
+    assert install["status"] == "error" and "scripts/device/prepare.sh" in install["note"]
+
+
+def test_precisions_fairseq_cannot_train_at_are_named():
+    # fairseq-fixed's options turn --bf16 into --tpu (a TPU-only path); the GPU check records that
+    # instead of spending accelerator time on runs that fail
+    from fairseq import options
+
+    args = options.parse_args_and_arch(
+        options.get_training_parser(), ["data-bin", "--task", "language_modeling", "--arch", "transformer_lm", "--bf16"]
+    )
+    reason = gpu_check.fairseq_precision_problem("bf16")
+    assert (reason is not None) == bool(args.tpu)
+    if reason:
+        assert "--tpu" in reason
+    assert gpu_check.fairseq_precision_problem("fp16") is None
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a GPU")
+def test_without_a_gpu_the_output_says_so(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "fairseq_agg.testing.gpu_check", "--out", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert "no CUDA device" in data["error"] and data["parts"] == {}
+    assert "Not run: no CUDA device" in (tmp_path / "gpu_check.md").read_text()
