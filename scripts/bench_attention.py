@@ -8,8 +8,8 @@ For each model width d (default 512 and 1024; 64-dim heads) and each MLRA settin
     --decode-prefix positions, --decode-steps steps averaged).
 Runs alternate between the two modules (MHA, MLRA, MHA, ...) and the best (minimum) time of
 each is reported, as timeit does: both see the same machine load, and the minimum is the
-estimate least disturbed by other processes (the medians go to the --json file too). Times are wall-clock on whatever this runs on; the ratio is the
-number to read (< 1: MLRA faster / smaller).
+estimate least disturbed by other processes (the medians go to the --json file too). Times are
+wall-clock on whatever this runs on; the ratio is the number to read (< 1: MLRA faster / smaller).
 
     python scripts/bench_attention.py                     # the defaults of docs/mlra.md
     python scripts/bench_attention.py --dims 512 --batch 1 --repeats 3
@@ -68,7 +68,7 @@ def timed_pair(fn_a, fn_b, repeats, warmup):
     return min(a), min(b), statistics.median(a), statistics.median(b)
 
 
-def main():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dims", default="512,1024", help="model widths d (comma-separated)")
     p.add_argument("--head-dim", type=int, default=64)
@@ -83,11 +83,11 @@ def main():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--json", default=None, help="also write the rows to this file")
-    a = p.parse_args()
+    return p.parse_args(argv)
 
-    torch.set_num_threads(a.threads)
-    torch.manual_seed(0)
-    device, dtype = torch.device(a.device), getattr(torch, a.dtype)
+
+def describe_machine(a, device):
+    """The device name and the load average at start (the numbers mean little without them)."""
     hw = torch.cuda.get_device_name(device) if device.type == "cuda" else (
         f"CPU {platform.processor() or platform.machine()}, {a.threads} threads")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -95,39 +95,69 @@ def main():
     print(f"# fwd+bwd: causal self-attention, seq {a.seq} x batch {a.batch} (batch kept small for "
           f"a 2-core CPU); decode: {a.decode_batch} rows, cache {a.decode_prefix}, "
           f"{a.decode_steps} steps; best of {a.repeats} alternating runs")
-    header = (f"{'d':>5} {'H':>3} {'mode':>8} {'rank':>5} {'targets':>8} | {'params':>10} {'ratio':>6} | "
-              f"{'MHA fb ms':>9} {'MLRA fb ms':>10} {'ratio':>6} | {'MHA dec ms':>10} {'MLRA dec ms':>11} {'ratio':>6}")
-    print(header)
-    print("-" * len(header))
+    return hw, load
+
+
+def mlra_settings(d, head_dim):
+    """(mode, rank, targets) measured at width d: shared at d/16 .. d/2 (the break-even rank),
+    O factorised too at d/4, and per head at d_h/2 and d_h/4."""
+    settings = [("shared", r, "q,k,v") for r in (d // 16, d // 8, d // 4, d // 2)]
+    settings += [("shared", d // 4, "q,k,v,o"), ("per_head", head_dim // 2, "q,k,v"),
+                 ("per_head", head_dim // 4, "q,k,v")]
+    return settings
+
+
+def measure(a, mha, mlra, x, mask, device, dtype):
+    """One table row: parameters, forward + backward and decoding times of both modules."""
+    n_mha = sum(q.numel() for q in mha.parameters())
+    n = sum(q.numel() for q in mlra.parameters())
+    fb_mha, fb, fb_mha_med, fb_med = timed_pair(
+        lambda: fwd_bwd_time(mha, x, mask), lambda: fwd_bwd_time(mlra, x, mask), a.repeats, a.warmup)
+    d = x.size(-1)
+    dec = lambda mod: decode_step_time(mod, d, a.decode_batch, a.decode_prefix, a.decode_steps, device, dtype)  # noqa: E731
+    dec_mha, dec_m, dec_mha_med, dec_med = timed_pair(
+        lambda: dec(mha.eval()), lambda: dec(mlra.eval()), a.repeats, a.warmup)
+    mha.train(), mlra.train()
+    return dict(d=d, heads=mlra.num_heads, mode=mlra.mode, rank=mlra.rank, targets=",".join(mlra.targets),
+                params_mha=n_mha, params_mlra=n,
+                fwd_bwd_ms_mha=fb_mha * 1e3, fwd_bwd_ms_mlra=fb * 1e3,
+                decode_ms_mha=dec_mha * 1e3, decode_ms_mlra=dec_m * 1e3,
+                median_fwd_bwd_ms=(fb_mha_med * 1e3, fb_med * 1e3),
+                median_decode_ms=(dec_mha_med * 1e3, dec_med * 1e3))
+
+
+HEADER = (f"{'d':>5} {'H':>3} {'mode':>8} {'rank':>5} {'targets':>8} | {'params':>10} {'ratio':>6} | "
+          f"{'MHA fb ms':>9} {'MLRA fb ms':>10} {'ratio':>6} | {'MHA dec ms':>10} {'MLRA dec ms':>11} {'ratio':>6}")
+
+
+def format_row(r):
+    return (f"{r['d']:>5} {r['heads']:>3} {r['mode']:>8} {r['rank']:>5} {r['targets']:>8} | "
+            f"{r['params_mlra']:>10,} {r['params_mlra'] / r['params_mha']:>6.3f} | "
+            f"{r['fwd_bwd_ms_mha']:>9.1f} {r['fwd_bwd_ms_mlra']:>10.1f} "
+            f"{r['fwd_bwd_ms_mlra'] / r['fwd_bwd_ms_mha']:>6.3f} | "
+            f"{r['decode_ms_mha']:>10.3f} {r['decode_ms_mlra']:>11.3f} "
+            f"{r['decode_ms_mlra'] / r['decode_ms_mha']:>6.3f}")
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    device, dtype = torch.device(a.device), getattr(torch, a.dtype)
+    hw, load = describe_machine(a, device)
+    print(HEADER)
+    print("-" * len(HEADER))
     rows = []
     for d in [int(x) for x in a.dims.split(",")]:
         h = d // a.head_dim
-        dh = a.head_dim
-        settings = [("shared", r, "q,k,v") for r in (d // 16, d // 8, d // 4, d // 2)]
-        settings += [("shared", d // 4, "q,k,v,o"), ("per_head", dh // 2, "q,k,v"), ("per_head", dh // 4, "q,k,v")]
         mha = MultiheadAttention(d, h, self_attention=True).to(device, dtype)
         x = torch.randn(a.seq, a.batch, d, device=device, dtype=dtype)
         mask = future_mask(a.seq, device, dtype)
-        n_mha = sum(q.numel() for q in mha.parameters())
-        for mode, r, targets in settings:
-            m = MultiheadLowRankAttention(d, h, self_attention=True, rank=r, mode=mode, targets=targets).to(device, dtype)
-            n = sum(q.numel() for q in m.parameters())
-            fb_mha, fb, fb_mha_med, fb_med = timed_pair(
-                lambda: fwd_bwd_time(mha, x, mask), lambda: fwd_bwd_time(m, x, mask), a.repeats, a.warmup)
-            dec = lambda mod: decode_step_time(mod, d, a.decode_batch, a.decode_prefix, a.decode_steps, device, dtype)  # noqa: E731
-            dec_mha, dec_m, dec_mha_med, dec_med = timed_pair(
-                lambda: dec(mha.eval()), lambda: dec(m.eval()), a.repeats, a.warmup)
-            mha.train(), m.train()
-            row = dict(d=d, heads=h, mode=mode, rank=r, targets=targets, params_mha=n_mha, params_mlra=n,
-                       fwd_bwd_ms_mha=fb_mha * 1e3, fwd_bwd_ms_mlra=fb * 1e3,
-                       decode_ms_mha=dec_mha * 1e3, decode_ms_mlra=dec_m * 1e3,
-                       median_fwd_bwd_ms=(fb_mha_med * 1e3, fb_med * 1e3),
-                       median_decode_ms=(dec_mha_med * 1e3, dec_med * 1e3))
-            rows.append(row)
-            print(f"{d:>5} {h:>3} {mode:>8} {r:>5} {targets:>8} | {n:>10,} {n / n_mha:>6.3f} | "
-                  f"{fb_mha * 1e3:>9.1f} {fb * 1e3:>10.1f} {fb / fb_mha:>6.3f} | "
-                  f"{dec_mha * 1e3:>10.3f} {dec_m * 1e3:>11.3f} {dec_m / dec_mha:>6.3f}", flush=True)
-        print(f"# d={d}: MultiheadAttention has {n_mha:,} parameters")
+        for mode, r, targets in mlra_settings(d, a.head_dim):
+            m = MultiheadLowRankAttention(d, h, self_attention=True, rank=r, mode=mode, targets=targets)
+            rows.append(measure(a, mha, m.to(device, dtype), x, mask, device, dtype))
+            print(format_row(rows[-1]), flush=True)
+        print(f"# d={d}: MultiheadAttention has {sum(q.numel() for q in mha.parameters()):,} parameters")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": hw, "load_average": load, "torch": torch.__version__, "args": vars(a), "rows": rows}, f, indent=1)

@@ -14,9 +14,18 @@ after warm-up) and measures the step's peak memory for
   (e) ce      stock fairseq ``cross_entropy`` (eps = 0) on full logits: the baseline of (d)
   (f) al_ref  direct AL on a materialised N x V teacher (``reference_teacher`` + KL by definition)
   (g) fce     plain CE (eps = 0) through ``fused_linear_loss``: what (d) costs over the fused CE alone
+  (h) freeze  rare-token freezing: fused CE with AGG's rare rows of dW zeroed (``frozen_rows``; the
+              histogram + ``agg_gates`` inside the timed region), eps = 0
+  (i) cosreg  fused CE + N * CosReg(W) (gamma = 1, ``cosine_regularizer`` over the non-pad rows)
+  (j) face    FACE pre-weighting of argmax counts: weights from the window counts, the argmax
+              recorded in the pass and counted (bincount) inside the timed region, eps = 0
+  (k) ul      token-level unlikelihood (alpha = 1): the N tokens as sequences of ``--ul-seq-len``,
+              candidates (``unlikelihood_candidates``) built inside the timed region, eps = 0
 
-and prints the ratios against the targets of issues 2 and 4 (AGG <= 1.05x stock time and
-<= 1.0x stock peak memory; AL <= 1.15x CE time and no extra N x V tensor).
+and prints the ratios against the project's goals (docs/benchmarks.md: AGG <= 1.05x stock time and
+<= 1.0x stock peak memory; AL <= 1.15x CE time and no extra N x V tensor; each of (h)-(k) <= 1.1x
+the fused CE (g) time and no extra N x V tensor). Ratios mean something only on an otherwise idle
+machine.
 
 Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` above the step's start. On CPU, the
 default (``--memory profiler``) replays the allocation trace of ``torch.profiler`` (profile_memory=
@@ -50,9 +59,12 @@ from fairseq import utils as fairseq_utils
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
 
 from fairseq_agg.ops.augmented import aug_scale_factor, build_teacher
+from fairseq_agg.ops.cosreg import cosine_regularizer
+from fairseq_agg.ops.face import FaceWeights, face_token_weights
+from fairseq_agg.ops.unlikelihood import unlikelihood_candidates
 from fairseq_agg.ops.fused_linear_loss import fused_linear_loss
-from fairseq_agg.ops.rare_tokens import agg_gates, target_histogram
-from fairseq_agg.ops.reference import kl_to_teacher, reference_output_loss, reference_teacher
+from fairseq_agg.ops.agg_gates import agg_gates, frozen_rare_rows, target_histogram
+from fairseq_agg.testing.reference import kl_to_teacher, reference_output_loss, reference_teacher
 
 PAD = 1  # fairseq's padding index; <s>=0, <pad>=1, </s>=2, <unk>=3
 NSPECIAL = 4
@@ -67,6 +79,10 @@ LABELS = {
     "ce": "(e) stock cross_entropy, full logits",
     "al_ref": "(f) AL direct, materialised teacher",
     "fce": "(g) CE, fused_linear_loss (no AL)",
+    "freeze": "(h) freezing, fused + frozen_rows",
+    "cosreg": "(i) CosReg, fused + cosine_regularizer",
+    "face": "(j) FACE pre/out, fused + row weights",
+    "ul": "(k) token-level UL, fused + candidates",
 }
 ALL_VARIANTS = list(LABELS)
 
@@ -97,6 +113,7 @@ class Problem:
         self.weight0 = (torch.randn(v, d, generator=g) * d**-0.5).to(self.device, self.dtype)
         self.hidden0 = torch.randn(n, d, generator=g).to(self.device, self.dtype)
         self.coef = args.aug_alpha * aug_scale_factor(args.aug_scale, args.aug_temperature)
+        self.cosreg_rows = torch.cat([torch.arange(PAD), torch.arange(PAD + 1, v)]).to(self.device)
         self.new_leaves()
 
         gates = self.gates()
@@ -188,8 +205,44 @@ def run_al_ref(p, chunk):
     return loss.detach()
 
 
-RUNNERS = {"stock": run_stock, "agg": run_agg, "ref": run_ref, "al": run_al, "ce": run_ce, "al_ref": run_al_ref, "fce": run_fce}
-FUSED = ("agg", "al", "fce")
+def run_freeze(p, chunk):
+    frozen = frozen_rare_rows(p.args.vocab, gates=p.gates())
+    loss, _nll, _ = fused_linear_loss(p.hidden, p.weight, p.target, 0.0, frozen_rows=frozen, chunk_size=chunk)
+    loss.backward()
+    return loss.detach()
+
+
+def run_cosreg(p, chunk):
+    loss, _nll, _ = fused_linear_loss(p.hidden, p.weight, p.target, 0.0, chunk_size=chunk)
+    regulariser, _ = cosine_regularizer(p.weight, p.cosreg_rows)
+    loss = loss + p.target.numel() * regulariser  # gamma = 1, sample_size = N
+    loss.backward()
+    return loss.detach()
+
+
+def run_face(p, chunk):
+    face = FaceWeights(token_weight=face_token_weights(p.window_counts.to(p.device)), record_predictions=True)
+    loss, _nll, _ = fused_linear_loss(p.hidden, p.weight, p.target, 0.0, row_weights=face, chunk_size=chunk)
+    target_histogram(face.predictions, p.args.vocab)  # the counts of the next micro-batch
+    loss.backward()
+    return loss.detach()
+
+
+def run_ul(p, chunk):
+    n = p.target.numel()
+    width = p.args.ul_seq_len
+    sequences = p.target.new_full((-(-n // width) * width,), PAD)
+    sequences[:n] = p.target
+    candidates = unlikelihood_candidates(sequences.view(-1, width), torch.arange(n, device=p.device), PAD, 1.0)
+    loss, _nll, _ = fused_linear_loss(p.hidden, p.weight, p.target, 0.0, penalty=candidates, chunk_size=chunk)
+    loss.backward()
+    return loss.detach()
+
+
+RUNNERS = {"stock": run_stock, "agg": run_agg, "ref": run_ref, "al": run_al, "ce": run_ce, "al_ref": run_al_ref, "fce": run_fce,
+           "freeze": run_freeze, "cosreg": run_cosreg, "face": run_face, "ul": run_ul}
+BASELINES = ("freeze", "cosreg", "face", "ul")  # docs/baselines.md: each <= 1.1x the fused CE
+FUSED = ("agg", "al", "fce") + BASELINES
 
 
 def key_of(name, chunk):
@@ -337,6 +390,8 @@ def sanity_check(p, keys, log):
         pairs.append((names["al"], names["al_ref"], "loss, dH, dW"))
     if "fce" in names and "ce" in names:
         pairs.append((names["fce"], names["ce"], "loss, dH, dW"))
+    if "freeze" in names and "fce" in names:
+        pairs.append((names["freeze"], names["fce"], "loss, dH (dW differs: rare rows zero)"))
     lines = []
     for a, b, what in pairs:
         la, ha, wa = out[a]
@@ -366,6 +421,15 @@ def profile_variant(p, key, rows):
 
 
 # --------------------------------------------------------------------------- report
+# The goals of the fused function (docs/benchmarks.md): AGG at most 5 % slower than fairseq's stock
+# label-smoothed CE and with no more peak memory; the augmented loss at most 15 % slower than stock
+# CE and without an extra N x V tensor.
+AGG_TIME_TARGET = 1.05
+AGG_MEMORY_TARGET = 1.0
+AL_TIME_TARGET = 1.15
+BASELINE_TIME_TARGET = 1.1
+
+
 def fmt_ratio(x):
     return f"{x:.3f}x"
 
@@ -374,107 +438,142 @@ def verdict(ok):
     return "PASS" if ok else "MISS"
 
 
-def report(args, p, keys, times, cpu, peaks, mem_method, checks):
-    n, d, v = args.tokens, args.dim, args.vocab
-    med = {k: statistics.median(ts) for k, ts in times.items()}
-    med_cpu = {k: statistics.median(ts) for k, ts in cpu.items()}
+class Measurements:
+    """The timings and peaks of one run, with the medians and ratios the report prints."""
 
-    def paired(a, b):  # median over rounds of the per-round ratio (same round = same machine load)
-        return statistics.median(x / y for x, y in zip(times[a], times[b]))
+    def __init__(self, times, cpu, peaks):
+        self.times, self.cpu, self.peaks = times, cpu, peaks
+        self.med = {k: statistics.median(ts) for k, ts in times.items()}
+        self.med_cpu = {k: statistics.median(ts) for k, ts in cpu.items()}
 
-    lines = []
-    lines.append(
-        f"shapes: N={n} target tokens, d={d}, V={v}, dtype={args.dtype}, device={args.device}, "
-        f"threads={torch.get_num_threads()}, torch {torch.__version__}, chunk size {args.chunk_size}"
-    )
-    s = p.stats
-    lines.append(
+    def paired(self, a, b):
+        """Median over rounds of the per-round ratio (same round = same machine load)."""
+        return statistics.median(x / y for x, y in zip(self.times[a], self.times[b]))
+
+    def memory_ratio(self, a, b):
+        if a in self.peaks and b in self.peaks and self.peaks[b] > 0:
+            return self.peaks[a] / self.peaks[b]
+        return None
+
+
+def setup_lines(args, p, mem_method):
+    """What was measured: shapes, targets, method settings, how time and memory were taken."""
+    n, v, s = args.tokens, args.vocab, p.stats
+    return [
+        f"shapes: N={n} target tokens, d={args.dim}, V={v}, dtype={args.dtype}, device={args.device}, "
+        f"threads={torch.get_num_threads()}, torch {torch.__version__}, chunk size {args.chunk_size}",
         f"targets: Zipf s={args.zipf}; AGG alpha={args.agg_alpha}, window {args.window_updates} updates x "
         f"{args.tokens_per_update} tokens -> {s['rare_types']} rare types ({100 * s['rare_type_frac']:.1f}% of V), "
         f"{100 * s['rare_target_frac']:.1f}% of targets rare, {100 * s['very_rare_target_frac']:.1f}% with g2<1; "
-        f"{s['unique_targets']} unique targets (teacher {s['unique_targets'] * v * 4 / MIB:.0f} MiB fp32)"
-    )
-    lines.append(
+        f"{s['unique_targets']} unique targets (teacher {s['unique_targets'] * v * 4 / MIB:.0f} MiB fp32)",
         f"label smoothing {args.label_smoothing} for (a)-(c); AL alpha={args.aug_alpha}, tau={args.aug_temperature}, "
-        f"scale {args.aug_scale} (coef {p.coef:g}), eps 0 for (d)-(f)"
-    )
-    lines.append(
+        f"scale {args.aug_scale} (coef {p.coef:g}), eps 0 for (d)-(f)",
         f"time: median of {args.repeats} interleaved rounds after {args.warmup} warm-up rounds, wall clock "
-        f"(PASS/MISS) and process CPU time of all threads (robust to other load on the machine)"
-    )
-    lines.append(f"peak memory: {mem_method}")
-    lines.append(f"one N x V fp32 tensor = {n * v * 4 / MIB:.0f} MiB")
-    lines.append("")
+        f"(PASS/MISS) and process CPU time of all threads (robust to other load on the machine)",
+        f"peak memory: {mem_method}",
+        f"one N x V fp32 tensor = {n * v * 4 / MIB:.0f} MiB",
+    ]
+
+
+def variant_lines(keys, m):
+    """One row per variant: median and best wall time, median CPU time, peak memory."""
     head = f"{'variant':<55s} {'wall ms':>9s} {'min ms':>9s} {'cpu ms':>9s} {'peak MiB':>9s}"
-    lines.append(head)
-    lines.append("-" * len(head))
+    lines = [head, "-" * len(head)]
     for key in keys:
         name, chunk = parse_key(key)
         label = LABELS[name] + (f" [chunk {chunk}]" if chunk else "")
-        pk = f"{peaks[key] / MIB:9.0f}" if key in peaks else f"{'-':>9s}"
+        pk = f"{m.peaks[key] / MIB:9.0f}" if key in m.peaks else f"{'-':>9s}"
         lines.append(
-            f"{label:<55s} {med[key] * 1e3:9.1f} {min(times[key]) * 1e3:9.1f} {med_cpu[key] * 1e3:9.1f} {pk}"
+            f"{label:<55s} {m.med[key] * 1e3:9.1f} {min(m.times[key]) * 1e3:9.1f} {m.med_cpu[key] * 1e3:9.1f} {pk}"
         )
-    lines.append("")
+    return lines
 
+
+def ratio_line(m, label, a, b, target_t=None, target_m=None, mem_note=None):
+    """Variant a against variant b: wall, paired, CPU and memory ratios, and PASS/MISS per target."""
+    rt = m.med[a] / m.med[b]
+    rm = m.memory_ratio(a, b)
+    res, tgt = [], []
+    if target_t is not None:
+        tgt.append(f"time <= {target_t:.2f}x")
+        res.append(verdict(rt <= target_t))
+    if target_m is not None and rm is not None:
+        tgt.append(f"mem <= {target_m:.2f}x")
+        res.append(verdict(rm <= target_m))
+    if mem_note is not None:
+        tgt.append(mem_note[0])
+        res.append(verdict(mem_note[1]))
+    rms = fmt_ratio(rm) if rm is not None else "-"
+    return (
+        f"{label:<40s} {fmt_ratio(rt):>8s} {fmt_ratio(m.paired(a, b)):>8s} {fmt_ratio(m.med_cpu[a] / m.med_cpu[b]):>8s} "
+        f"{rms:>8s}   "
+        f"{(', '.join(tgt) or 'info'):<44s} {' '.join(res)}"
+    )
+
+
+def al_memory_note(args, m, al):
+    """The augmented loss's memory goal: its peak less stock CE's stays below one N x V tensor."""
+    if al not in m.peaks or "ce" not in m.peaks:
+        return None
+    extra = m.peaks[al] - m.peaks["ce"]
+    return f"AL-CE peak {extra / MIB:+.0f} MiB < 1 NxV", extra < args.tokens * args.vocab * 4
+
+
+def extra_memory_note(args, m, variant, base):
+    """A baseline's memory goal: its peak above the fused CE's stays below one N x V tensor."""
+    if variant not in m.peaks or base not in m.peaks:
+        return None
+    extra = m.peaks[variant] - m.peaks[base]
+    return f"peak {extra / MIB:+.0f} MiB over fused CE < 1 NxV", extra < args.tokens * args.vocab * 4
+
+
+def ratio_lines(args, keys, m):
+    """The comparisons the measured variants allow, the goals first (per chunk size when swept)."""
     head = f"{'ratio':<40s} {'wall':>8s} {'paired':>8s} {'cpu':>8s} {'memory':>8s}   {'target':<44s} result"
-    lines.append(head)
-    lines.append("-" * len(head))
-
-    def row(label, a, b, target_t=None, target_m=None, mem_note=None):
-        rt = med[a] / med[b]
-        rm = peaks[a] / peaks[b] if a in peaks and b in peaks and peaks[b] > 0 else None
-        res, tgt = [], []
-        if target_t is not None:
-            tgt.append(f"time <= {target_t:.2f}x")
-            res.append(verdict(rt <= target_t))
-        if target_m is not None and rm is not None:
-            tgt.append(f"mem <= {target_m:.2f}x")
-            res.append(verdict(rm <= target_m))
-        if mem_note is not None:
-            tgt.append(mem_note[0])
-            res.append(verdict(mem_note[1]))
-        rms = fmt_ratio(rm) if rm is not None else "-"
-        lines.append(
-            f"{label:<40s} {fmt_ratio(rt):>8s} {fmt_ratio(paired(a, b)):>8s} {fmt_ratio(med_cpu[a] / med_cpu[b]):>8s} "
-            f"{rms:>8s}   "
-            f"{(', '.join(tgt) or 'info'):<44s} {' '.join(res)}"
-        )
-
+    lines = [head, "-" * len(head)]
     have = set(keys)
     chunks = sorted({parse_key(k)[1] for k in keys if parse_key(k)[1]})
+
+    def tag(c):
+        return f" [chunk {c}]" if len(chunks) > 1 else ""
+
     for c in chunks:
-        tag = f" [chunk {c}]" if len(chunks) > 1 else ""
         if f"agg@{c}" in have and "stock" in have:
-            row(f"AGG / stock{tag}", f"agg@{c}", "stock", 1.05, 1.0)
+            lines.append(ratio_line(m, f"AGG / stock{tag(c)}", f"agg@{c}", "stock", AGG_TIME_TARGET, AGG_MEMORY_TARGET))
     if "ref" in have and "stock" in have:
-        row("reference AGG / stock", "ref", "stock")
+        lines.append(ratio_line(m, "reference AGG / stock", "ref", "stock"))
     if "ref" in have and f"agg@{args.chunk_size}" in have:
-        row("AGG / reference AGG", f"agg@{args.chunk_size}", "ref")
+        lines.append(ratio_line(m, "AGG / reference AGG", f"agg@{args.chunk_size}", "ref"))
     for c in chunks:
-        tag = f" [chunk {c}]" if len(chunks) > 1 else ""
-        a = f"al@{c}"
-        if a in have and "ce" in have:
-            note = None
-            if a in peaks and "ce" in peaks:
-                extra = peaks[a] - peaks["ce"]
-                note = (f"AL-CE peak {extra / MIB:+.0f} MiB < 1 NxV", extra < n * v * 4)
-            row(f"AL / CE{tag}", a, "ce", 1.15, None, note)
+        if f"al@{c}" in have and "ce" in have:
+            lines.append(ratio_line(m, f"AL / CE{tag(c)}", f"al@{c}", "ce", AL_TIME_TARGET, None,
+                                    al_memory_note(args, m, f"al@{c}")))
     for c in chunks:
-        tag = f" [chunk {c}]" if len(chunks) > 1 else ""
         if f"al@{c}" in have and f"fce@{c}" in have:
-            row(f"AL / fused CE (AL's own cost){tag}", f"al@{c}", f"fce@{c}")
+            lines.append(ratio_line(m, f"AL / fused CE (AL's own cost){tag(c)}", f"al@{c}", f"fce@{c}"))
         if f"fce@{c}" in have and "ce" in have:
-            row(f"fused CE / stock CE{tag}", f"fce@{c}", "ce")
+            lines.append(ratio_line(m, f"fused CE / stock CE{tag(c)}", f"fce@{c}", "ce"))
+    for c in chunks:
+        for name in BASELINES:
+            if f"{name}@{c}" in have and f"fce@{c}" in have:
+                lines.append(ratio_line(m, f"{name} / fused CE{tag(c)}", f"{name}@{c}", f"fce@{c}",
+                                        BASELINE_TIME_TARGET, None, extra_memory_note(args, m, f"{name}@{c}", f"fce@{c}")))
     if "al_ref" in have and "ce" in have:
-        row("direct AL (materialised) / CE", "al_ref", "ce")
+        lines.append(ratio_line(m, "direct AL (materialised) / CE", "al_ref", "ce"))
     if "ce" in have and "stock" in have:
-        row("stock CE / stock label-smoothed CE", "ce", "stock")
+        lines.append(ratio_line(m, "stock CE / stock label-smoothed CE", "ce", "stock"))
+    return lines
+
+
+def report(args, p, keys, times, cpu, peaks, mem_method, checks):
+    """The printed report and the median times."""
+    m = Measurements(times, cpu, peaks)
+    lines = setup_lines(args, p, mem_method) + [""] + variant_lines(keys, m) + [""] + ratio_lines(args, keys, m)
     if checks:
-        lines.append("")
-        lines.append("equivalence checks, max-abs relative (fp32: ~1e-6 expected, bf16/fp16: ~1e-2; agg vs stock dW is gated, not compared):")
+        lines += ["", "equivalence checks, max-abs relative (fp32: ~1e-6 expected, bf16/fp16: ~1e-2; agg vs stock dW "
+                      "is gated, not compared):"]
         lines += ["  " + c for c in checks]
-    return "\n".join(lines), med
+    return "\n".join(lines), m.med
 
 
 # --------------------------------------------------------------------------- main
@@ -505,13 +604,14 @@ def build_parser():
     ap.add_argument("--aug-alpha", type=float, default=0.5)
     ap.add_argument("--aug-temperature", type=float, default=10.0)
     ap.add_argument("--aug-scale", choices=["none", "tau", "tau2"], default="tau", help="criterion default: tau")
+    ap.add_argument("--ul-seq-len", type=int, default=512, help="sequence length of the UL variant (k)")
     ap.add_argument("--json", default=None, help="also write the raw measurements to this file")
     ap.add_argument("--quiet", action="store_true", help="no per-round progress lines")
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     return ap
 
 
-def main(argv=None):
+def parse_args(argv):
     args = build_parser().parse_args(argv)
     if args.quick:
         args.tokens, args.dim, args.vocab = 1024, 256, 8192
@@ -522,10 +622,11 @@ def main(argv=None):
         sys.exit("--device cuda: no CUDA device available")
     if args.dtype != "fp32" and args.device == "cpu":
         print("note: bf16/fp16 on CPU is supported but slow and not what the targets are about", file=sys.stderr)
-    if args.rss_child:
-        return rss_child(args)
+    return args
 
-    log = (lambda *_: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+def variant_keys(args):
+    """The measured variants, each fused one once per chunk size (``name@chunk``)."""
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in RUNNERS]
     if unknown:
@@ -536,18 +637,67 @@ def main(argv=None):
     keys = []
     for name in variants:
         keys += [key_of(name, c) for c in chunks] if name in FUSED else [name]
+    return keys
 
+
+MEMORY_METHODS = {
+    "cuda": "torch.cuda.max_memory_allocated() above the step's start",
+    "profiler": "torch.profiler allocation trace (profile_memory=True): max live torch CPU bytes above the step's start",
+    "rss": "fresh subprocess per variant: peak RSS (VmHWM after clear_refs) above the RSS at the step's start, "
+    "MALLOC_MMAP_THRESHOLD_=64KiB",
+    "none": "not measured",
+}
+
+
+def measure_peaks(args, p, keys, mem_method, log):
+    """Peak memory of one step per variant, by ``mem_method`` (cuda, profiler, rss or none)."""
+    peaks = {}
+    if mem_method == "none":
+        return peaks
+    log(f"peak memory ({mem_method}):")
+    for key in keys:
+        if mem_method == "cuda":
+            peaks[key] = peak_cuda(p, key)
+        elif mem_method == "profiler":
+            peaks[key] = peak_profiler(p, key)
+        else:
+            peaks[key] = peak_rss(args, key)
+        log(f"  {key:<10s} {peaks[key] / MIB:8.0f} MiB")
+    return peaks
+
+
+def write_raw(path, args, p, times, cpu, med, peaks, mem_desc, checks):
+    """The raw measurements as JSON."""
+    with open(path, "w") as f:
+        json.dump(
+            {
+                "args": vars(args),
+                "stats": p.stats,
+                "times_s": times,
+                "cpu_s": cpu,
+                "median_s": med,
+                "peak_bytes": peaks,
+                "memory_method": mem_desc,
+                "checks": checks,
+                "platform": platform.platform(),
+                "torch": torch.__version__,
+                "threads": torch.get_num_threads(),
+            },
+            f,
+            indent=2,
+        )
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.rss_child:
+        return rss_child(args)
+    log = (lambda *_: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    keys = variant_keys(args)
     p = Problem(args)
     mem_method = args.memory
     if mem_method == "auto":
         mem_method = "cuda" if p.device.type == "cuda" else "profiler"
-    mem_desc = {
-        "cuda": "torch.cuda.max_memory_allocated() above the step's start",
-        "profiler": "torch.profiler allocation trace (profile_memory=True): max live torch CPU bytes above the step's start",
-        "rss": "fresh subprocess per variant: peak RSS (VmHWM after clear_refs) above the RSS at the step's start, "
-        "MALLOC_MMAP_THRESHOLD_=64KiB",
-        "none": "not measured",
-    }[mem_method]
 
     log(f"setup: N={args.tokens} d={args.dim} V={args.vocab} {args.dtype} {args.device}, variants {keys}")
     checks = []
@@ -556,42 +706,14 @@ def main(argv=None):
         checks = sanity_check(p, [k for k in keys if parse_key(k)[1] in (None, args.chunk_size)], log)
     log("timing:")
     times, cpu = measure_times(p, keys, args.warmup, args.repeats, log)
-    peaks = {}
-    if mem_method != "none":
-        log(f"peak memory ({mem_method}):")
-        for key in keys:
-            if mem_method == "cuda":
-                peaks[key] = peak_cuda(p, key)
-            elif mem_method == "profiler":
-                peaks[key] = peak_profiler(p, key)
-            else:
-                peaks[key] = peak_rss(args, key)
-            log(f"  {key:<10s} {peaks[key] / MIB:8.0f} MiB")
-    text, med = report(args, p, keys, times, cpu, peaks, mem_desc, checks)
+    peaks = measure_peaks(args, p, keys, mem_method, log)
+    text, med = report(args, p, keys, times, cpu, peaks, MEMORY_METHODS[mem_method], checks)
     print(text)
     if args.profile:
         for name in args.profile.split(","):
-            name = name.strip()
-            profile_variant(p, key_of(name, args.chunk_size), args.profile_rows)
+            profile_variant(p, key_of(name.strip(), args.chunk_size), args.profile_rows)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "args": vars(args),
-                    "stats": p.stats,
-                    "times_s": times,
-                    "cpu_s": cpu,
-                    "median_s": med,
-                    "peak_bytes": peaks,
-                    "memory_method": mem_desc,
-                    "checks": checks,
-                    "platform": platform.platform(),
-                    "torch": torch.__version__,
-                    "threads": torch.get_num_threads(),
-                },
-                f,
-                indent=2,
-            )
+        write_raw(args.json, args, p, times, cpu, med, peaks, MEMORY_METHODS[mem_method], checks)
 
 
 if __name__ == "__main__":

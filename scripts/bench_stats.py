@@ -22,8 +22,6 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 
 def _timed(fn, device, repeats=3):
@@ -44,7 +42,8 @@ def bench_metrics(V, d, device, repeats):
     from fairseq.data import Dictionary
 
     from fairseq_agg.stats import groups as G
-    from fairseq_agg.stats.live import EmbeddingStatsSettings, compute_embedding_stats
+    from fairseq_agg.stats.config import EmbeddingStatsSettings
+    from fairseq_agg.stats.live import compute_embedding_stats
     from fairseq_agg.stats.metrics import embedding_spectrum, isotropy, mean_pairwise_cosine, tev_stats
 
     torch.manual_seed(0)
@@ -103,10 +102,10 @@ import json, sys, time
 from fairseq_agg.stats import live
 calls = {"n": 0, "t": 0.0}
 orig = live.EmbeddingStatsMixin.log_embedding_stats
-def timed(self, model, num_updates=None):
+def timed(self, model, logging_output=None):
     t = time.perf_counter()
     try:
-        return orig(self, model, num_updates)
+        return orig(self, model, logging_output)
     finally:
         calls["n"] += 1
         calls["t"] += time.perf_counter() - t
@@ -121,7 +120,7 @@ print("BENCH_RESULT " + json.dumps({"total_s": total, "stats_s": calls["t"], "ca
 
 
 def _make_data(root):
-    import fairseq_runs as fr
+    from fairseq_agg.testing import fairseq_runs as fr
 
     raw = os.path.join(root, "raw")
     os.makedirs(raw, exist_ok=True)

@@ -1,11 +1,14 @@
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fairseq_agg.testing import fairseq_runs
 
-import fairseq_runs  # noqa: E402
+
+@pytest.fixture(scope="session")
+def repo_root():
+    """The checkout the tests run from: examples/ and scripts/ are not part of the installed package."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""The ``cross_entropy_agg`` criterion inside real fairseq (spec agg.md §3.6, §12.2).
+"""The ``cross_entropy_agg`` criterion inside real fairseq (docs/agg.md, and its list of departures from the released code).
 
 The criterion is built through fairseq's registry, with real ``language_modeling`` and
 ``translation`` tasks on the tiny data-bins, and driven by fairseq's own ``Trainer`` (training,
@@ -15,11 +15,11 @@ from fairseq.data import iterators
 from fairseq.trainer import Trainer
 
 from fairseq_agg.criterions.agg import AggCriterion
-from fairseq_agg.ops.reference import reference_output_loss
-from fairseq_runs import TINY_LM_ARGS, TINY_MT_ARGS, USER_DIR, read_json_log, run_cli
-from fairseq_runs import build_parts as build
-from fairseq_runs import criterion_from_flags, non_pad_features
-from fairseq_runs import parse_config as parse
+from fairseq_agg.testing.reference import reference_output_loss
+from fairseq_agg.testing.fairseq_runs import TINY_LM_ARGS, TINY_MT_ARGS, USER_DIR, read_json_log, run_cli
+from fairseq_agg.testing.fairseq_runs import build_parts as build
+from fairseq_agg.testing.fairseq_runs import criterion_from_flags, non_pad_features
+from fairseq_agg.testing.fairseq_runs import parse_config as parse
 
 torch.set_num_threads(2)
 
@@ -102,9 +102,13 @@ def compare_with_stock(model, agg, stock, sample, weight_name):
     return gates, grads_a
 
 
+STRONG_GATING = ["--agg-alpha", "2.5", "--agg-threshold-mode", "per-update", "--agg-g1-mode", "normalized"]
+
+
 def test_lm_logged_loss_and_gradients_match_stock_cross_entropy(lm_data_bin):
-    # alpha 2.5: tokens seen fewer than 3 times in this first update are rare, so gating happens
-    cfg, task, model, agg = build(lm_data_bin, TINY_LM_ARGS, ["--criterion", "cross_entropy_agg", "--agg-alpha", "2.5"])
+    # alpha 2.5 per update: tokens seen fewer than 3 times in this first update are rare, so gating
+    # happens (alpha > 1 needs the normalized g1 = a / alpha to keep every gate <= 1)
+    cfg, task, model, agg = build(lm_data_bin, TINY_LM_ARGS, ["--criterion", "cross_entropy_agg"] + STRONG_GATING)
     stock = criterion_from_flags(task, lm_data_bin, TINY_LM_ARGS, ["--criterion", "cross_entropy"])
     sample = first_batches(task, "train", 1, 512)[0]
     gates, _ = compare_with_stock(model, agg, stock, sample, "decoder.embed_tokens.weight")
@@ -113,7 +117,7 @@ def test_lm_logged_loss_and_gradients_match_stock_cross_entropy(lm_data_bin):
 
 
 def test_mt_padding_masked_and_matches_stock_label_smoothed(mt_data_bin):
-    extra = ["--criterion", "cross_entropy_agg", "--label-smoothing", "0.1", "--agg-alpha", "2.5", "--agg-window", "10"]
+    extra = ["--criterion", "cross_entropy_agg", "--label-smoothing", "0.1", "--agg-window", "10"] + STRONG_GATING
     cfg, task, model, agg = build(mt_data_bin, TINY_MT_ARGS, extra)
     stock = criterion_from_flags(
         task, mt_data_bin, TINY_MT_ARGS, ["--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1"]
@@ -203,8 +207,8 @@ def test_training_forward_without_update_number_is_refused(lm_data_bin):
 
 @pytest.mark.parametrize(
     "flag,value,allowed",
-    [("--agg-alpha", "0", "> 0"), ("--agg-alpha", "-0.5", "> 0"), ("--agg-window", "-1", ">= 1"),
-     ("--agg-ref-tokens", "0", ">= 1"), ("--agg-chunk-size", "0", ">= 1"),
+    [("--agg-alpha", "0", "(0, 1]"), ("--agg-alpha", "-0.5", "(0, 1]"), ("--agg-window", "-1", ">= 1"),
+     ("--agg-ref-tokens", "-1", ">= 1"), ("--output-chunk-tokens", "0", ">= 1"),
      ("--label-smoothing", "1.0", "in [0, 1)"), ("--label-smoothing", "-0.1", "in [0, 1)")],
 )
 def test_bad_values_name_the_flag(lm_data_bin, flag, value, allowed):
@@ -247,10 +251,11 @@ def replay_updates(data, base_args, extra, max_update):
 
 
 def test_fairseq_train_update_freq_2_window_equals_brute_force(lm_data_bin, tmp_path):
-    from fairseq_agg.ops.rare_tokens import agg_gates
+    from fairseq_agg.ops.agg_gates import agg_gates
 
     max_update = 18  # one epoch is 14 updates here: the window wraps around, across the epoch boundary
-    extra = ["--criterion", "cross_entropy_agg", "--agg-alpha", str(UF_ALPHA), "--update-freq", "2"]
+    extra = ["--criterion", "cross_entropy_agg", "--agg-alpha", str(UF_ALPHA), "--update-freq", "2",
+             "--agg-threshold-mode", "per-update"]  # the released code's counting, checked by brute force
     save_dir = tmp_path / "ckpt"
     proc = run_cli(
         "fairseq-train",

@@ -1,9 +1,9 @@
-"""The fused output-layer Function of AGG (spec agg.md §4-§5, §12.1).
+"""The fused output-layer Function of AGG (Yu et al., ACL 2022, §4; docs/agg.md (A5)-(A6)).
 
 Two kinds of checks:
 
 * the fused, chunked Function against the official three-CE construction
-  (``fairseq_agg.ops.reference.reference_output_loss``): loss, dL/dH and dL/dW, fp32, <= 1e-6
+  (``fairseq_agg.testing.reference.reference_output_loss``): loss, dL/dH and dL/dW, fp32, <= 1e-6
   relative, for eps in {0, 0.1}, rare and very-rare targets, tied and untied W, several chunk sizes;
 * independent checks of the gate semantics themselves, against a gate matrix written out by hand
   and against fairseq's own ``label_smoothed_nll_loss`` / torch autograd, because the fused function
@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
 
-from fairseq_agg.ops.fused_linear_loss import TokenGates, fused_linear_loss
-from fairseq_agg.ops.rare_tokens import agg_gates
-from fairseq_agg.ops.reference import gate_matrix, reference_output_loss
+from fairseq_agg.ops.agg_gates import TokenGates, agg_gates
+from fairseq_agg.ops.fused_linear_loss import fused_linear_loss
+from fairseq_agg.testing.reference import gate_matrix, reference_output_loss
 
 torch.set_num_threads(2)
 
@@ -164,7 +164,7 @@ def test_gates_all_one_equal_ungated():
 
 
 # ---------------------------------------------------------------------------------------------
-# Gate semantics on a tiny example, with the gate matrix written out by hand (spec §4.1-§4.2).
+# Gate semantics on a tiny example, with the gate matrix written out by hand (docs/agg.md (A3)-(A5)).
 #
 #   V = 8, nspecial = 2, counts c = [0, 0, 50, 40, 1, 3, 0, 2], 10 updates, alpha = 0.5
 #   a = c / 10 = [0, 0, 5, 4, .1, .3, 0, .2]  ->  rare R = {4, 5, 6, 7} (0, 1 special)

@@ -1,4 +1,4 @@
-"""AGG's rare-token counting window and gate vectors (spec agg.md §3, §4.1, §5.5, §6, §12.2-§12.3).
+"""AGG's rare-token counting window and gate vectors (Yu et al., ACL 2022, §4; docs/agg.md (A1)-(A4)).
 
 The ring buffer is checked against brute-force counts over the last K updates, kept here as a plain
 list of per-update histograms; the gates against values computed by hand.
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fairseq_agg.ops.rare_tokens import RareTokenWindow, agg_gates, target_histogram
+from fairseq_agg.ops.agg_gates import RareTokenWindow, agg_gates, target_histogram
 
 
 class BruteForce:
@@ -168,7 +168,7 @@ def test_bad_window_size_is_refused():
 
 
 # ---------------------------------------------------------------------------------------------
-# Gates (spec §4.1)
+# Gates (docs/agg.md (A2)-(A4))
 
 
 def test_gates_hand_computed():

@@ -12,8 +12,9 @@ import torch
 from fairseq import checkpoint_utils
 from fairseq.data import Dictionary
 
-import fairseq_runs as fr
-from fairseq_agg import cli
+from fairseq_agg.testing import fairseq_runs as fr
+import fairseq_agg_cli as cli
+from fairseq_agg.fairseq_hooks import madeupword_ids
 from fairseq_agg.stats import analyze as A
 from fairseq_agg.stats import groups as G
 from fairseq_agg.stats.metrics import isotropy, mean_pairwise_cosine, tev_stats
@@ -78,7 +79,7 @@ def test_cli_report_figures_and_ppl_against_eval_lm(lm_ckpts, lm_data_bin, tmp_p
     d = Dictionary.load(os.path.join(lm_data_bin, "dict.txt"))
     for ck, path in zip(report["checkpoints"], (ck5, ck_last)):
         assert ck["task"] == "language_modeling" and ck["criterion"] == "cross_entropy"
-        assert ck["dictionary"]["size"] == len(d) and ck["dictionary"]["madeupwords"] == len(G.madeupword_ids(d))
+        assert ck["dictionary"]["size"] == len(d) and ck["dictionary"]["madeupwords"] == len(madeupword_ids(d))
         assert ck["groups"] == {g: int(ids.numel()) for g, ids in G.frequency_groups(d).items()}
         (name,) = ck["matrices"]
         entry = ck["matrices"][name]

@@ -1,4 +1,4 @@
-"""The ``augmented_loss`` criterion inside real fairseq (Inan et al., ICLR 2017; spec augmented_loss.md §8, §12).
+"""The ``augmented_loss`` criterion inside real fairseq (Inan et al., ICLR 2017; docs/augmented_loss.md).
 
 In process: real ``language_modeling`` / ``translation`` tasks on the tiny data-bins, real fairseq
 transformer models, batches from fairseq's own iterators and collaters, and fairseq's stock
@@ -15,10 +15,10 @@ import torch
 from fairseq import metrics
 
 from fairseq_agg.criterions.augmented_loss import AugmentedLossCriterion
-from fairseq_agg.dictionary_utils import never_real_ids
-from fairseq_agg.ops.reference import reference_output_loss, reference_teacher
-from fairseq_runs import TINY_LM_ARGS, TINY_MT_ARGS, USER_DIR, build_parts, criterion_from_flags, non_pad_features
-from fairseq_runs import read_json_log, run_cli
+from fairseq_agg.fairseq_hooks import never_real_ids
+from fairseq_agg.testing.reference import reference_output_loss, reference_teacher
+from fairseq_agg.testing.fairseq_runs import TINY_LM_ARGS, TINY_MT_ARGS, USER_DIR, build_parts, criterion_from_flags, non_pad_features
+from fairseq_agg.testing.fairseq_runs import read_json_log, run_cli
 
 torch.set_num_threads(2)
 
@@ -89,14 +89,14 @@ def mt(mt_data_bin):
 # construction, defaults, bad input
 
 
-def test_registered_with_the_spec_defaults(lm):
+def test_registered_with_the_documented_defaults(lm):
     _, _, _, criterion, _ = lm
     assert isinstance(criterion, AugmentedLossCriterion)
     cfg = criterion.cfg
     assert (cfg.aug_alpha, cfg.aug_temperature, cfg.aug_scale) == (0.5, 10.0, "tau")
     assert (cfg.aug_embed, cfg.aug_warmup_updates, cfg.aug_gate_with_agg) == ("input", 0, False)
     # the detached teacher and the masked columns are the defaults: see the reference and flag tests
-    assert cfg.label_smoothing == 0.0 and cfg.aug_chunk_tokens == 2048 and criterion.chunk_size == 2048
+    assert cfg.label_smoothing == 0.0 and cfg.output_chunk_tokens == 2048
 
 
 @pytest.mark.parametrize(
@@ -105,7 +105,7 @@ def test_registered_with_the_spec_defaults(lm):
         (["--aug-alpha", "-0.1"], "--aug-alpha must be >= 0, got -0.1"),
         (["--aug-temperature", "0"], "--aug-temperature must be > 0, got 0.0"),
         (["--aug-temperature", "-2"], "--aug-temperature must be > 0, got -2.0"),
-        (["--aug-chunk-tokens", "0"], "--aug-chunk-tokens must be >= 1, got 0"),
+        (["--output-chunk-tokens", "0"], "--output-chunk-tokens must be >= 1, got 0"),
         (["--aug-warmup-updates", "-1"], "--aug-warmup-updates must be >= 0, got -1"),
         (["--label-smoothing", "1.0"], "--label-smoothing must be in [0, 1), got 1.0"),
     ],
@@ -117,12 +117,21 @@ def test_bad_flags_rejected_at_construction(lm, flags, message):
     assert message in str(err.value)
 
 
-def test_chunk_size_flag_is_used_and_does_not_change_the_result(lm):
+def test_chunk_size_flag_is_used_and_does_not_change_the_result(lm, monkeypatch):
+    from fairseq_agg.criterions import output_loss
+
     data, task, model, criterion, sample = lm
-    small = criterion_for(task, data, TINY_LM_ARGS, ["--criterion", "augmented_loss", "--aug-chunk-tokens", "60"])
-    assert small.chunk_size == 60
+    small = criterion_for(task, data, TINY_LM_ARGS, ["--criterion", "augmented_loss", "--output-chunk-tokens", "60"])
+    fused, chunks = output_loss.fused_linear_loss, []
+
+    def recording(*args, **kwargs):
+        chunks.append(kwargs["chunk_size"])
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(output_loss, "fused_linear_loss", recording)
     loss_a, _, log_a, grads_a = loss_and_grads(model, criterion, sample)
     loss_b, _, log_b, grads_b = loss_and_grads(model, small, sample)
+    assert chunks == [2048, 60] and sample["ntokens"] > 60  # the small chunks really split the batch
     assert rel_err(loss_b, loss_a) <= 1e-6 and rel_err(log_b["aug_loss"], log_a["aug_loss"]) <= 1e-5
     assert_grads_close(grads_b, grads_a, 1e-5)
 
@@ -165,7 +174,7 @@ def test_mask_special_flag_spelling(lm):
 
 
 def test_detach_flag_spelling(lm):
-    """``--aug-detach-target`` (the spec's "on" spelling) must never turn detaching *off*."""
+    """``--aug-detach-target`` (the natural "on" spelling) must never turn detaching *off*."""
     data, task, model, criterion, sample = lm
     explicit = criterion_or_none(task, data, ["--aug-detach-target"])
     if explicit is not None:
@@ -220,7 +229,7 @@ def test_criterion_matches_reference_on_the_real_model(mt):
     crit = criterion_for(
         task, data, TINY_MT_ARGS,
         ["--criterion", "augmented_loss", "--label-smoothing", "0.1", "--aug-temperature", str(tau),
-         "--aug-alpha", str(alpha), "--aug-chunk-tokens", "16"],
+         "--aug-alpha", str(alpha), "--output-chunk-tokens", "16"],
     )
     loss, size, log, grads = loss_and_grads(model, crit, sample)
 
@@ -314,7 +323,7 @@ def test_pad_positions_change_nothing(mt):
 
 
 # --------------------------------------------------------------------------------------------
-# AGG + AL in one criterion (spec §8.8)
+# AGG + AL in one criterion (docs/augmented_loss.md, "Combination with AGG")
 
 
 def test_agg_plus_augmented_loss_gates_the_ce_part_only(mt):
@@ -323,7 +332,8 @@ def test_agg_plus_augmented_loss_gates_the_ce_part_only(mt):
     crit = criterion_for(
         task, data, TINY_MT_ARGS,
         ["--criterion", "cross_entropy_agg", "--aug-alpha", str(alpha), "--aug-temperature", str(tau),
-         "--label-smoothing", str(eps), "--agg-window", "1", "--agg-alpha", "1.5", "--agg-chunk-size", "16"],
+         "--label-smoothing", str(eps), "--agg-window", "1", "--agg-alpha", "1.5", "--agg-threshold-mode", "per-update", "--agg-g1-mode", "normalized",
+         "--output-chunk-tokens", "16"],
     )
     crit.set_update_num(0)
     loss, _, log, grads = loss_and_grads(model, crit, sample)
@@ -372,16 +382,23 @@ def valid_record(output, prefix="valid_"):
     return recs[-1]
 
 
-def test_end_to_end_lm_real(lm_data_bin, tmp_path):
-    save = str(tmp_path / "ck")
+def train_8_updates(data, base_args, save, flags):
+    """A real ``fairseq-train --criterion augmented_loss`` run of 8 updates; returns its output."""
     proc = run_cli(
         "fairseq-train",
-        [lm_data_bin, "--user-dir", USER_DIR] + TINY_LM_ARGS
-        + ["--criterion", "augmented_loss", "--aug-alpha", "0.5", "--aug-temperature", "2",
-           "--aug-warmup-updates", "4", "--max-update", "8", "--save-dir", save, "--log-format", "json",
-           "--no-epoch-checkpoints", "--aug-chunk-tokens", "100"],
+        [data, "--user-dir", USER_DIR] + base_args
+        + ["--criterion", "augmented_loss", "--max-update", "8", "--save-dir", save, "--log-format", "json",
+           "--no-epoch-checkpoints"] + flags,
     )
-    out = proc.stdout + proc.stderr
+    return proc.stdout + proc.stderr
+
+
+def test_end_to_end_lm_real(lm_data_bin, tmp_path):
+    save = str(tmp_path / "ck")
+    out = train_8_updates(
+        lm_data_bin, TINY_LM_ARGS, save,
+        ["--aug-alpha", "0.5", "--aug-temperature", "2", "--aug-warmup-updates", "4", "--output-chunk-tokens", "100"],
+    )
     inner = [r for r in read_json_log(out) if "aug_alpha" in r and "num_updates" in r]
     alphas = {int(r["num_updates"]): float(r["aug_alpha"]) for r in inner}
     assert alphas[1] == 0.125 and alphas[2] == 0.25 and alphas[3] == 0.375 and alphas[4] == 0.5 and alphas[8] == 0.5
@@ -406,14 +423,10 @@ def test_end_to_end_lm_real(lm_data_bin, tmp_path):
 
 def test_end_to_end_mt_label_smoothed(mt_data_bin, tmp_path):
     save = str(tmp_path / "ck")
-    proc = run_cli(
-        "fairseq-train",
-        [mt_data_bin, "--user-dir", USER_DIR] + TINY_MT_ARGS
-        + ["--criterion", "augmented_loss", "--label-smoothing", "0.1", "--aug-alpha", "0.5",
-           "--aug-temperature", "2", "--aug-scale", "tau2", "--max-update", "8", "--save-dir", save,
-           "--log-format", "json", "--no-epoch-checkpoints"],
+    out = train_8_updates(
+        mt_data_bin, TINY_MT_ARGS, save,
+        ["--label-smoothing", "0.1", "--aug-alpha", "0.5", "--aug-temperature", "2", "--aug-scale", "tau2"],
     )
-    out = proc.stdout + proc.stderr
     valid = valid_record(out)
     stock = stock_checkpoint(
         os.path.join(save, "checkpoint_last.pt"),
@@ -458,7 +471,7 @@ def test_end_to_end_bad_input_fails_before_any_checkpoint(lm_data_bin, tmp_path,
 
 
 # --------------------------------------------------------------------------------------------
-# non-detached teacher (--no-aug-detach-target), spec §2.4 / §12.4
+# non-detached teacher (--no-aug-detach-target; docs/augmented_loss.md, "Non-detached teacher")
 
 
 def test_non_detached_teacher_gradients_flow_into_the_embedding(lm):
@@ -467,7 +480,7 @@ def test_non_detached_teacher_gradients_flow_into_the_embedding(lm):
     crit = criterion_for(
         task, data, TINY_LM_ARGS,
         ["--criterion", "augmented_loss", "--no-aug-detach-target", "--aug-temperature", str(tau),
-         "--aug-alpha", str(alpha), "--aug-chunk-tokens", "100"],
+         "--aug-alpha", str(alpha), "--output-chunk-tokens", "100"],
     )
     loss, _, log, grads = loss_and_grads(model, crit, sample)
 

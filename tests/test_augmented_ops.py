@@ -1,11 +1,11 @@
-"""Unit tests of the augmented-loss math (Inan et al., ICLR 2017; spec augmented_loss.md).
+"""Unit tests of the augmented-loss math (Inan et al., ICLR 2017; docs/augmented_loss.md).
 
 * the fused, chunked output layer (``fused_linear_loss`` with a ``TeacherTargets``) against the
   direct reference (materialised teacher and tempered prediction, KL by definition), fp32, 1e-6;
-* float64 gradchecks, the τ = 1 identity of spec §3.4 computed in numpy, the scale modes,
+* float64 gradchecks, the τ = 1 identity (docs/augmented_loss.md, "The loss") computed in numpy, the scale modes,
   ``build_teacher`` against numpy, masked columns, bf16;
-* the AGG + AL gradient of spec §8.8 written out in numpy;
-* the non-detached variant (``augmented_direct``) against autograd through a materialised teacher
+* the AGG + AL gradient (docs/augmented_loss.md, "Combination with AGG") written out in numpy;
+* the non-detached variant (``augmented_kl_direct``) against autograd through a materialised teacher
   and against central finite differences, float64.
 """
 import math
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from fairseq_agg.ops.augmented import SCALES, aug_scale_factor, build_teacher
-from fairseq_agg.ops.augmented_direct import augmented_kl_direct
-from fairseq_agg.ops.fused_linear_loss import TeacherTargets, TokenGates, fused_linear_loss
-from fairseq_agg.ops.reference import gate_matrix, reference_output_loss, reference_teacher
+from fairseq_agg.ops.agg_gates import TokenGates
+from fairseq_agg.ops.augmented import SCALES, TeacherTargets, aug_scale_factor, augmented_kl_direct, build_teacher
+from fairseq_agg.ops.fused_linear_loss import fused_linear_loss
+from fairseq_agg.testing.reference import gate_matrix, reference_output_loss, reference_teacher
 
 torch.set_num_threads(2)
 
@@ -92,7 +92,7 @@ def test_fused_matches_reference_fp32(tied, epsilon, masked):
 
 
 def test_fused_loss_is_ce_plus_coef_times_kl_for_every_scale():
-    """loss = CE + alpha * s(tau) * KL with s in {1, tau, tau^2} (spec §2.5)."""
+    """loss = CE + alpha * s(tau) * KL with s in {1, tau, tau^2} (docs/augmented_loss.md, "The loss")."""
     hidden, weight, emb, target = problem(tied=False, seed=5)
     tau, alpha = 3.0, 0.4
     ce, _, _ = fused_linear_loss(hidden, weight, target, 0.1)
@@ -112,7 +112,7 @@ def test_fused_loss_is_ce_plus_coef_times_kl_for_every_scale():
 
 
 # --------------------------------------------------------------------------------------------
-# τ = 1: CE + α KL = (1+α) CE(q || softmax z) − α H(y~),  gradient (1+α)(softmax − q)   (spec §3.4)
+# τ = 1: CE + α KL = (1+α) CE(q || softmax z) − α H(y~),  gradient (1+α)(softmax − q)   (docs/augmented_loss.md)
 
 
 def _np_softmax(x):
@@ -169,7 +169,7 @@ def _teacher64(emb, target, tau, coef, masked=None):
 
 @pytest.mark.parametrize("epsilon", [0.0, 0.1], ids=["ce", "ls0.1"])
 def test_fused_gradcheck_float64(epsilon):
-    """The fused Function in float64 passes torch.autograd.gradcheck (spec §12.2)."""
+    """The fused Function in float64 passes torch.autograd.gradcheck."""
     hidden, weight, emb, target = problem(n=9, vocab=11, dim=5, tied=False, seed=11, dtype=torch.float64)
     teacher = _teacher64(emb, target, 2.0, 1.3, masked=(0,))
     h = hidden.clone().requires_grad_(True)
@@ -301,7 +301,7 @@ def test_build_teacher_matches_numpy():
     # masked columns get exactly zero mass, the rest sums to one
     assert torch.all(teacher.probs[:, list(masked)] == 0)
     assert torch.allclose(teacher.probs.sum(-1), torch.ones(len(uniq)), atol=1e-6)
-    # the self term is kept (spec §2.3): a type's own column has teacher logit ‖e‖² / τ
+    # the self term is kept (eq. 3.7 runs over the whole vocabulary): a type's own column has teacher logit ‖e‖² / τ
     own = teacher.probs[torch.arange(len(uniq)), torch.from_numpy(uniq).long()]
     assert torch.all(own > 0)
 
@@ -319,7 +319,7 @@ def test_masked_columns_carry_no_teacher_gradient():
 
 
 # --------------------------------------------------------------------------------------------
-# AGG + AL (spec §8.8): dW = (Γ ⊙ G_CE + G_AL)^T H, dH = (G_CE + G_AL) W
+# AGG + AL (docs/augmented_loss.md, "Combination with AGG"): dW = (Γ ⊙ G_CE + G_AL)^T H, dH = (G_CE + G_AL) W
 
 
 @pytest.mark.parametrize("gate_aug", [False, True], ids=["al-ungated", "al-gated"])
@@ -370,7 +370,7 @@ def test_row_blocks_smaller_than_the_chunk_give_the_same_result(monkeypatch, blo
 
     hidden, weight, emb, target = problem(n=41, vocab=23, dim=8, tied=True, seed=53)
     monkeypatch.setattr(fused_module, "_CPU_BLOCK_BYTES", block_rows * 23 * 4)  # fp32 rows of V = 23
-    assert fused_module._block_rows(torch.device("cpu"), 23, torch.float32, 16) == block_rows
+    assert fused_module.block_rows(torch.device("cpu"), 23, torch.float32, 16) == block_rows
     gates = random_gates(23, seed=5) if "agg" in mode else None
     tau, coef, eps = 3.0, 0.9, 0.1
     gate_aug = mode.endswith("gated")

@@ -1,15 +1,17 @@
 """MLRA models in fairseq: architectures, parameter bookkeeping, and real fairseq-train /
-fairseq-generate / fairseq-eval-lm runs that load the checkpoints (spec §3.4, §7, §9)."""
+fairseq-generate / fairseq-eval-lm runs that load the checkpoints (docs/mlra.md)."""
 import math
+import os
 import re
 
 import pytest
 import torch
 from fairseq import checkpoint_utils, options, tasks
+from fairseq.data import Dictionary
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.modules import MultiheadAttention
 
-import fairseq_runs as fr
+from fairseq_agg.testing import fairseq_runs as fr
 from fairseq_agg.modules.mlra import MultiheadLowRankAttention
 
 torch.set_num_threads(1)
@@ -199,17 +201,35 @@ def lm_run(lm_data_bin, tmp_path_factory):
     return {"save": save, "out": proc.stdout + proc.stderr}
 
 
-def test_lm_trains_with_agg_and_embedding_stats(lm_run):
+def test_lm_trains_with_agg_and_embedding_stats(lm_run, lm_data_bin):
     out = lm_run["out"]
     assert "MLRA (Chung et al., 2024, stability) in transformer_lm_mlra: 2 attention modules" in out
-    inner = [r for r in fr.read_json_log(out) if "loss" in r]  # train_inner records
+    records = fr.read_json_log(out)
+    inner = [r for r in records if "loss" in r]  # train_inner records
     assert len(inner) == 24  # --log-interval 1 and TEV every update
     losses = [float(r["loss"]) for r in inner]
     assert all(math.isfinite(x) for x in losses)
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5  # it learns
-    assert all(float(r["tev_mu"]) > 0 and float(r["tev_sigma"]) > 0 for r in inner)
     assert any(k.startswith("agg_") for k in inner[0])
+    # µTEV over fairseq's embedding init std d^-1/2 (d = 32); the embedding moves every update
+    for r in inner:
+        assert float(r["tev_mu_over_init"]) == pytest.approx(float(r["tev_mu"]) * math.sqrt(32), rel=1e-4)
+    assert len({r["tev_mu"] for r in inner}) >= 20
+
+    # the TEV logged at the last validation is that of the saved (tied) embedding, by hand:
+    # the population std of every row but the padding and madeupword rows, then their mean / std
     ckpt = torch.load(lm_run["save"] / "checkpoint_last.pt", map_location="cpu", weights_only=False)
+    valid = [r for r in records if "valid_tev_mu" in r][-1]
+    assert int(valid["valid_num_updates"]) == 24
+    dictionary = Dictionary.load(os.path.join(lm_data_bin, "dict.txt"))
+    rows = [i for i, sym in enumerate(dictionary.symbols)
+            if i != dictionary.pad() and not sym.startswith("madeupword")]
+    weight = ckpt["model"]["decoder.embed_tokens.weight"].double()
+    assert weight.size(0) == len(dictionary)
+    tev = weight[rows].std(dim=1, correction=0)
+    assert float(valid["valid_tev_mu"]) == pytest.approx(tev.mean().item(), rel=1e-5)
+    assert float(valid["valid_tev_sigma"]) == pytest.approx(tev.std(correction=0).item(), rel=1e-5)
+
     keys = ckpt["model"].keys()
     assert "decoder.layers.0.self_attn.q_proj.down.weight" in keys
     assert ckpt["model"]["decoder.layers.1.self_attn.v_proj.up.weight"].shape == (32, 4)
@@ -230,6 +250,25 @@ def test_lm_checkpoint_loads_in_eval_lm_and_decodes_incrementally(lm_run, lm_dat
     assert math.isfinite(loss) and loss < math.log2(len(task.target_dictionary)) - 1
     assert all(isinstance(l.self_attn, MultiheadLowRankAttention) and l.self_attn.rank == 4
                for l in model.decoder.layers)
+    # its parameter count is the stock model's plus the hand formula's delta at rank 4
+    _, stock = build([lm_data_bin, "--user-dir", fr.USER_DIR] + LM_STOCK)
+    assert nparams(model) == nparams(stock) + lm_delta_by_hand(2, 32, 4)
+
+    # each trained attention equals fairseq's MultiheadAttention holding the products U_P D_P
+    torch.manual_seed(0)
+    x = torch.randn(7, 2, 32)
+    mask = torch.triu(torch.full((7, 7), float("-inf")), 1)
+    for layer in model.decoder.layers:
+        mlra, dense = layer.self_attn, MultiheadAttention(32, 2, self_attention=True).eval()
+        with torch.no_grad():
+            for name in ("q_proj", "k_proj", "v_proj"):
+                p = getattr(mlra, name)
+                assert p.down.weight.shape == (4, 32) and p.up.weight.shape == (32, 4)
+                getattr(dense, name).weight.copy_(p.up.weight @ p.down.weight)
+                getattr(dense, name).bias.copy_(p.up.bias)
+            dense.out_proj.load_state_dict(mlra.out_proj.state_dict())
+            torch.testing.assert_close(mlra(x, x, x, attn_mask=mask, need_weights=False)[0],
+                                       dense(x, x, x, attn_mask=mask)[0], atol=1e-5, rtol=1e-5)
 
     # incremental decoding through the real decoder equals its full causal forward
     task.load_dataset("test")

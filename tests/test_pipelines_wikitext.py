@@ -9,12 +9,14 @@ import sys
 
 import pytest
 
-import fairseq_runs
+from examples import textprep
+from fairseq_agg.testing import fairseq_runs
 
-REPO = fairseq_runs.REPO
-EX = os.path.join(REPO, "examples", "wikitext103")
-sys.path.insert(0, os.path.join(REPO, "scripts"))
-import textprep  # noqa: E402
+
+@pytest.fixture(scope="session")
+def recipe(repo_root):
+    """The path of a script of the WikiText-103 recipe: recipe("prepare.sh")."""
+    return lambda name: os.path.join(repo_root, "examples", "wikitext103", name)
 
 
 def _env(**extra):
@@ -69,9 +71,9 @@ def test_wikitext_detok():
 
 
 @pytest.fixture(scope="module")
-def spm_prep(raw_dir, tmp_path_factory):
+def spm_prep(raw_dir, tmp_path_factory, recipe):
     out = tmp_path_factory.mktemp("wt_spm")
-    run_script(os.path.join(EX, "prepare.sh"), ["--raw-dir", raw_dir, "--out", out, "--vocab-size", "200", "--workers", "1"])
+    run_script(recipe("prepare.sh"), ["--raw-dir", raw_dir, "--out", out, "--vocab-size", "200", "--workers", "1"])
     return out
 
 
@@ -92,51 +94,51 @@ def test_prepare_spm(raw_dir, spm_prep):
     assert d.unk() in ds[j].tolist()
 
 
-def test_prepare_word_level(raw_dir, tmp_path):
+def test_prepare_word_level(raw_dir, tmp_path, recipe):
     from fairseq.data import Dictionary
 
-    run_script(os.path.join(EX, "prepare.sh"), ["--raw-dir", raw_dir, "--out", tmp_path, "--tokenizer", "word",
-                                                "--workers", "1"])
+    run_script(recipe("prepare.sh"), ["--raw-dir", raw_dir, "--out", tmp_path, "--tokenizer", "word",
+                                      "--workers", "1"])
     d = Dictionary.load(str(tmp_path / "data-bin" / "dict.txt"))
     assert d.index("@-@") != d.unk() and d.index("=") != d.unk()
     assert not (tmp_path / "spm.model").exists()
 
 
-def test_prepare_bad_input(raw_dir, tmp_path):
-    p = run_script(os.path.join(EX, "prepare.sh"), ["--raw-dir", raw_dir, "--tokenizer", "gpt2"], expect_ok=False)
+def test_prepare_bad_input(raw_dir, tmp_path, recipe):
+    p = run_script(recipe("prepare.sh"), ["--raw-dir", raw_dir, "--tokenizer", "gpt2"], expect_ok=False)
     assert p.returncode == 2 and "--tokenizer must be spm or word" in p.stderr
     (tmp_path / "wiki.train.tokens").write_text("x\n")
-    p = run_script(os.path.join(EX, "prepare.sh"), ["--raw-dir", tmp_path, "--out", tmp_path / "o"], expect_ok=False)
+    p = run_script(recipe("prepare.sh"), ["--raw-dir", tmp_path, "--out", tmp_path / "o"], expect_ok=False)
     assert p.returncode == 2 and "wiki.valid.tokens" in p.stderr
 
 
-def test_train_sh_recipe():
-    out = run_script(os.path.join(EX, "train.sh"), ["agg", "--max-update", "3"], env=_env(DRY_RUN="1")).stdout
+def test_train_sh_recipe(recipe):
+    out = run_script(recipe("train.sh"), ["agg", "--max-update", "3"], env=_env(DRY_RUN="1")).stdout
     for flag in ["--arch transformer_lm_gpt2_small", "--criterion cross_entropy_agg", "--agg-alpha 0.03",
                  "--share-decoder-input-output-embed", "--lr 7e-4", "--warmup-updates 4000", "--tokens-per-sample 1024",
                  "--max-tokens 4096", "--update-freq 8", "--max-update 50000", "--weight-decay 0.01"]:
         assert flag in out, flag
     assert out.rstrip().endswith("--max-update 3")
-    mlra = run_script(os.path.join(EX, "train.sh"), ["mlra"], env=_env(DRY_RUN="1")).stdout
+    mlra = run_script(recipe("train.sh"), ["mlra"], env=_env(DRY_RUN="1")).stdout
     assert "--arch transformer_lm_mlra_gpt2_small" in mlra and "--criterion cross_entropy " in mlra
-    bad = run_script(os.path.join(EX, "train.sh"), ["adam"], env=_env(DRY_RUN="1"), expect_ok=False)
+    bad = run_script(recipe("train.sh"), ["adam"], env=_env(DRY_RUN="1"), expect_ok=False)
     assert bad.returncode == 2 and "METHOD must be one of" in bad.stderr
 
 
-def test_train_and_evaluate(spm_prep, tmp_path):
+def test_train_and_evaluate(spm_prep, tmp_path, recipe):
     save = tmp_path / "ckpt"
     env = _env(DATA_BIN=str(spm_prep / "data-bin"), SAVE_DIR=str(save))
     tiny = ["--arch", "transformer_lm_gpt", "--decoder-layers", "1", "--decoder-embed-dim", "32",
             "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2", "--tokens-per-sample", "64",
             "--max-tokens", "512", "--update-freq", "1", "--warmup-updates", "5", "--max-update", "15",
             "--cpu", "--num-workers", "0", "--no-progress-bar", "--log-interval", "5"]
-    run_script(os.path.join(EX, "train.sh"), ["agg"] + tiny, env=env)
+    run_script(recipe("train.sh"), ["agg"] + tiny, env=env)
     ckpt = save / "checkpoint_last.pt"
     assert ckpt.is_file()
     out = tmp_path / "eval"
-    proc = run_script(os.path.join(EX, "evaluate.sh"), ["--checkpoint", ckpt, "--prep", spm_prep, "--out", out,
-                                                        "--tokens-per-sample", "64", "--context-window", "0",
-                                                        "--", "--cpu"])
+    proc = run_script(recipe("evaluate.sh"), ["--checkpoint", ckpt, "--prep", spm_prep, "--out", out,
+                                              "--tokens-per-sample", "64", "--context-window", "0",
+                                              "--", "--cpu"])
     m = re.search(r"Loss \(base 2\): ([\d.]+), Perplexity: ([\d.]+)", proc.stdout)
     assert m, proc.stdout
     rep = json.load(open(out / "analysis" / "report.json"))["checkpoints"][0]
@@ -144,7 +146,7 @@ def test_train_and_evaluate(spm_prep, tmp_path):
     # two independent scorers of the same blocks without context: fairseq-eval-lm and the analysis
     assert rep["ppl"]["total"]["ppl"] == pytest.approx(float(m.group(2)), rel=0.01)
     assert (out / "analysis" / "projection.png").stat().st_size > 1000
-    bad = run_script(os.path.join(EX, "evaluate.sh"), ["--checkpoint", ckpt, "--prep", spm_prep,
-                                                       "--tokens-per-sample", "64", "--context-window", "64"],
+    bad = run_script(recipe("evaluate.sh"), ["--checkpoint", ckpt, "--prep", spm_prep,
+                                             "--tokens-per-sample", "64", "--context-window", "64"],
                      expect_ok=False)
     assert bad.returncode == 2 and "--context-window" in bad.stderr

@@ -15,12 +15,14 @@ import sys
 import pytest
 import torch
 
-import fairseq_runs
+from examples import textprep
+from fairseq_agg.testing import fairseq_runs
 
-REPO = fairseq_runs.REPO
-EX = os.path.join(REPO, "examples", "wmt14_en_de")
-sys.path.insert(0, os.path.join(REPO, "scripts"))
-import textprep  # noqa: E402
+
+@pytest.fixture(scope="session")
+def recipe(repo_root):
+    """The path of a script of the WMT14 recipe: recipe("prepare.sh")."""
+    return lambda name: os.path.join(repo_root, "examples", "wmt14_en_de", name)
 
 
 def _env():
@@ -91,12 +93,12 @@ def write_wmt_raw(raw):
 
 
 @pytest.fixture(scope="module")
-def wmt_prep(tmp_path_factory):
+def wmt_prep(tmp_path_factory, recipe):
     root = tmp_path_factory.mktemp("wmt")
     raw = str(root / "raw")
     n_pairs = write_wmt_raw(raw)
     out = str(root / "prep")
-    proc = run_script(os.path.join(EX, "prepare.sh"),
+    proc = run_script(recipe("prepare.sh"),
                       ["--raw-dir", raw, "--out", out, "--vocab-size", "300", "--workers", "1"])
     return {"root": str(root), "raw": raw, "out": out, "n_pairs": n_pairs, "log": proc.stdout + proc.stderr}
 
@@ -133,25 +135,25 @@ def test_prepare_writes_joined_data_bin(wmt_prep):
     assert "\r" not in open(os.path.join(data_bin, "dict.en.txt"), encoding="utf-8").read()
 
 
-def test_prepare_reports_missing_raw_file(tmp_path):
+def test_prepare_reports_missing_raw_file(tmp_path, recipe):
     raw = tmp_path / "raw"
     write_wmt_raw(str(raw))
     os.remove(raw / "newstest2014.de")
-    proc = run_script(os.path.join(EX, "prepare.sh"), ["--raw-dir", raw, "--out", tmp_path / "o"], expect_ok=False)
+    proc = run_script(recipe("prepare.sh"), ["--raw-dir", raw, "--out", tmp_path / "o"], expect_ok=False)
     assert proc.returncode == 2
     assert "--raw-dir" in proc.stderr and "newstest2014.de" in proc.stderr
     assert not (tmp_path / "o" / "data-bin").exists()
 
 
-def test_prepare_rejects_bad_vocab_size(tmp_path):
-    proc = run_script(os.path.join(EX, "prepare.sh"), ["--raw-dir", tmp_path, "--vocab-size", "5"], expect_ok=False)
+def test_prepare_rejects_bad_vocab_size(tmp_path, recipe):
+    proc = run_script(recipe("prepare.sh"), ["--raw-dir", tmp_path, "--vocab-size", "5"], expect_ok=False)
     assert proc.returncode == 2 and "--vocab-size" in proc.stderr and ">= 100" in proc.stderr
 
 
-def test_train_sh_methods_and_hyperparameters():
+def test_train_sh_methods_and_hyperparameters(recipe):
     env = _env()
     env["DRY_RUN"] = "1"
-    agg = run_script(os.path.join(EX, "train.sh"), ["agg", "big", "--max-update", "7"], env=env).stdout
+    agg = run_script(recipe("train.sh"), ["agg", "big", "--max-update", "7"], env=env).stdout
     for flag in ["--criterion cross_entropy_agg", "--label-smoothing 0.1", "--agg-alpha 0.08",
                  "--arch transformer_vaswani_wmt_en_de_big", "--share-all-embeddings", "--lr 1e-3",
                  "--warmup-updates 4000", "--warmup-init-lr 1e-07", "--weight-decay 0.01", "--dropout 0.3",
@@ -161,11 +163,11 @@ def test_train_sh_methods_and_hyperparameters():
     # extra flags come last so that they win over the recipe's values
     assert agg.rstrip().endswith("--max-update 7")
     assert ("--fp16" in agg) == torch.cuda.is_available()
-    base = run_script(os.path.join(EX, "train.sh"), ["baseline"], env=env).stdout
+    base = run_script(recipe("train.sh"), ["baseline"], env=env).stdout
     assert "--criterion label_smoothed_cross_entropy " in base and "--arch transformer_wmt_en_de " in base
-    mlra = run_script(os.path.join(EX, "train.sh"), ["agg+mlra", "big"], env=env).stdout
+    mlra = run_script(recipe("train.sh"), ["agg+mlra", "big"], env=env).stdout
     assert "--arch transformer_mlra_vaswani_wmt_en_de_big" in mlra and "cross_entropy_agg" in mlra
-    bad = run_script(os.path.join(EX, "train.sh"), ["sgd"], env=env, expect_ok=False)
+    bad = run_script(recipe("train.sh"), ["sgd"], env=env, expect_ok=False)
     assert bad.returncode == 2 and "METHOD must be one of" in bad.stderr and "agg+mlra" in bad.stderr
 
 
@@ -178,12 +180,12 @@ TINY = ["--arch", "transformer", "--encoder-layers", "1", "--decoder-layers", "1
 
 
 @pytest.fixture(scope="module")
-def wmt_trained(wmt_prep):
+def wmt_trained(wmt_prep, recipe):
     save = os.path.join(wmt_prep["root"], "ckpt")
     env = _env()
     env["DATA_BIN"] = os.path.join(wmt_prep["out"], "data-bin")
     env["SAVE_DIR"] = save
-    proc = run_script(os.path.join(EX, "train.sh"), ["baseline", "base"] + TINY, env=env)
+    proc = run_script(recipe("train.sh"), ["baseline", "base"] + TINY, env=env)
     return {"save": save, "log": proc.stdout + proc.stderr}
 
 
@@ -222,11 +224,11 @@ def test_average_checkpoints_is_elementwise_mean(wmt_trained, tmp_path):
         average_checkpoints.main(["--inputs", wmt_trained["save"], "--num-epoch-checkpoints", "9", "--output", out])
 
 
-def test_evaluate_sh_prints_sacrebleu_signature_and_tokenized_bleu(wmt_prep, wmt_trained):
+def test_evaluate_sh_prints_sacrebleu_signature_and_tokenized_bleu(wmt_prep, wmt_trained, recipe):
     import sacrebleu
 
     out = os.path.join(wmt_prep["root"], "eval")
-    proc = run_script(os.path.join(EX, "evaluate.sh"),
+    proc = run_script(recipe("evaluate.sh"),
                       ["--checkpoints", wmt_trained["save"], "--prep", wmt_prep["out"], "--num-checkpoints", "2",
                        "--out", out, "--", "--cpu", "--max-len-a", "1.2", "--max-len-b", "10"])
     text = proc.stdout

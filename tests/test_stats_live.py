@@ -8,20 +8,17 @@ import struct
 
 import pytest
 import torch
-from fairseq import checkpoint_utils, options, tasks
+from fairseq import checkpoint_utils, optim, options, tasks
 from fairseq.criterions import CRITERION_REGISTRY
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.logging import metrics
 
 import fairseq_agg  # noqa: F401  (registers the criteria)
-import fairseq_runs as fr
+from fairseq_agg.testing import fairseq_runs as fr
 from fairseq_agg.stats import groups as G
-from fairseq_agg.stats.live import (
-    EmbeddingStatsMixin,
-    EmbeddingStatsSettings,
-    completed_updates,
-    embedding_matrices,
-)
+from fairseq_agg.stats.config import EmbeddingStatsSettings
+from fairseq_agg.stats.live import MARKER, EmbeddingStatsMixin, compute_embedding_stats, reduce_embedding_stats
+from fairseq_agg.stats.matrices import embedding_matrices
 from fairseq_agg.stats.metrics import isotropy, mean_pairwise_cosine, tev_stats
 
 REL = 2e-5  # log files print 6 significant digits
@@ -89,14 +86,16 @@ def records(proc):
     return train_inner, valid, epoch
 
 
-def build(argv):
-    """A real fairseq task / model / criterion from a command line, in-process."""
+def build(argv, with_optimizer=False):
+    """A real fairseq task / model / criterion (and optimizer) from a command line, in-process."""
     parser = options.get_training_parser()
     args = options.parse_args_and_arch(parser, input_args=[str(a) for a in argv])
     cfg = convert_namespace_to_omegaconf(args)
     task = tasks.setup_task(cfg.task)
     model = task.build_model(cfg.model)
     criterion = task.build_criterion(cfg.criterion)
+    if with_optimizer:
+        return task, model, criterion, optim.build_optimizer(cfg.optimizer, list(model.parameters()))
     return task, model, criterion
 
 
@@ -160,10 +159,11 @@ def test_off_by_default_costs_nothing(lm_data_bin):
 
 
 def test_schedule_micro_batches_validation_and_stale_meters(lm_data_bin):
-    """fairseq's loop in miniature: update_freq 2, a log line per update, two validations."""
-    task, model, crit = build(
+    """fairseq's loop in miniature (the Trainer's calls, without optimizer steps): update_freq 2,
+    a log line per update, two validations."""
+    task, model, crit, optimizer = build(
         [lm_data_bin, "--criterion", "cross_entropy_with_stats", "--embed-stats-interval", "2",
-         "--embed-isotropy-interval", "3"] + fr.TINY_LM_ARGS
+         "--embed-isotropy-interval", "3"] + fr.TINY_LM_ARGS, with_optimizer=True
     )
     task.load_dataset("valid")
     sample = next(iter(task.get_batch_iterator(dataset=task.dataset("valid"), max_tokens=256).next_epoch_itr(shuffle=False)))
@@ -173,12 +173,13 @@ def test_schedule_micro_batches_validation_and_stale_meters(lm_data_bin):
     model.train()
     for update in range(1, 7):
         with metrics.aggregate("train_inner"), metrics.aggregate("train"):
-            for _ in range(2):  # two micro-batches
-                crit(model, sample)
+            logging_outputs = [task.train_step(sample, model, crit, optimizer, update_num=update - 1)[2]
+                               for _ in range(2)]  # two micro-batches
             metrics.log_scalar("num_updates", update, weight=0, priority=200)  # as Trainer.set_num_updates
+            task.reduce_metrics(logging_outputs, crit)  # as Trainer._reduce_and_log_stats
         lines[update] = metrics.get_smoothed_values("train_inner")
         metrics.reset_meters("train_inner")
-    assert completed_updates() == 6
+    assert state.update_num == 5  # the update_num fairseq passed to task.train_step for update 6
     assert {u for u, line in lines.items() if "tev_mu" in line} == {2, 4, 6}
     assert {u for u, line in lines.items() if "isotropy" in line} == {3, 6}
     assert all(v is not None for line in lines.values() for v in line.values())
@@ -191,9 +192,25 @@ def test_schedule_micro_batches_validation_and_stale_meters(lm_data_bin):
         with metrics.aggregate(new_root=True) as agg:
             for _ in range(3):
                 with metrics.aggregate("valid"):
-                    crit(model, sample)
+                    task.reduce_metrics([task.valid_step(sample, model, crit)[2]], crit)  # as Trainer.valid_step
         assert_close(agg.get_smoothed_values(), expected)
     assert state.measurements == 6
+
+
+def test_other_ranks_send_the_same_keys_with_zeros(lm_data_bin):
+    """fairseq sums logging outputs key by key over the data-parallel ranks (all-reduce): rank 0's
+    values plus the other ranks' zeros, divided by the count, are rank 0's values."""
+    _, model, crit = build([lm_data_bin, "--criterion", "cross_entropy_with_stats", "--embed-stats-interval", "1",
+                            "--embed-stats-groups"] + fr.TINY_LM_ARGS)
+    st = crit._embed_stats
+    rank0 = compute_embedding_stats(model, st.settings, st.dictionaries)
+    other = compute_embedding_stats(model, st.settings, st.dictionaries, measure=False)
+    assert list(other) == list(rank0) and "isotropy_rare" in rank0 and set(other.values()) == {0.0}
+    summed = {key: rank0[key] + other[key] for key in rank0}
+    summed[MARKER] = 1 + 0
+    with metrics.aggregate(new_root=True) as agg:
+        reduce_embedding_stats([summed])
+    assert agg.get_smoothed_values() == pytest.approx(dict(rank0), rel=1e-15)
 
 
 # ------------------------------------------------------------------ end-to-end
@@ -260,6 +277,21 @@ def test_lm_resume_from_checkpoint(lm_run):
 
 def _plain_fields(line):
     return dict(re.findall(r"(\w+)[= ]([-+0-9.eE]+)(?:,|\s\||$)", line))
+
+
+def test_fairseq_validate_logs_every_subset(lm_run, lm_data_bin):
+    from fairseq.data import Dictionary
+
+    path = lm_run["root"] / "ckpt" / "checkpoint_last.pt"
+    proc = fr.run_cli("fairseq-validate", [lm_data_bin, "--user-dir", fr.USER_DIR, "--path", path, "--task",
+                                           "language_modeling", "--tokens-per-sample", "64", "--max-tokens", "512",
+                                           "--valid-subset", "valid,test", "--cpu"])
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "subset |" in line]
+    assert [re.search(r"valid on '(\w+)' subset", line).group(1) for line in lines] == ["valid", "test"]
+    d = Dictionary.load(os.path.join(lm_data_bin, "dict.txt"))
+    expected = expected_stats(checkpoint_model(path)["decoder.embed_tokens.weight"], d, groups=True)
+    for line in lines:
+        assert_close(_plain_fields(line), expected)
 
 
 def test_mt_untied_plain_log(mt_data_bin, tmp_path):

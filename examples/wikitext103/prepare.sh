@@ -19,38 +19,22 @@ set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=../common.sh
-source "$here/../common.sh"  # root, py, bindir, textprep, die
+source "$here/../common.sh"  # root, py, bindir, textprep, die, parse_flags, need_int
 
 raw_dir=""; out="$root/data/wikitext103"; tokenizer=spm; vocab=32000
 workers="$(nproc 2>/dev/null || echo 1)"; spm_sentences=10000000
 
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --raw-dir) raw_dir="${2:?--raw-dir needs a directory}"; shift 2 ;;
-    --out) out="${2:?}"; shift 2 ;;
-    --tokenizer) tokenizer="${2:?}"; shift 2 ;;
-    --vocab-size) vocab="${2:?}"; shift 2 ;;
-    --workers) workers="${2:?}"; shift 2 ;;
-    --spm-sentences) spm_sentences="${2:?}"; shift 2 ;;
-    -h|--help) sed -n '2,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) die "unknown argument '$1' (see --help)" ;;
-  esac
-done
+parse_flags "--raw-dir=raw_dir --out=out --tokenizer=tokenizer --vocab-size=vocab --workers=workers
+  --spm-sentences=spm_sentences" "$@"
 [[ "$tokenizer" == spm || "$tokenizer" == word ]] || die "--tokenizer must be spm or word, got '$tokenizer'"
-[[ "$vocab" =~ ^[0-9]+$ ]] && (( vocab >= 100 )) || die "--vocab-size must be an integer >= 100, got '$vocab'"
-[[ "$workers" =~ ^[0-9]+$ ]] && (( workers >= 1 )) || die "--workers must be an integer >= 1, got '$workers'"
-[[ "$spm_sentences" =~ ^[0-9]+$ ]] && (( spm_sentences >= 1 )) || die "--spm-sentences must be an integer >= 1"
+need_int --vocab-size "$vocab" 100
+need_int --workers "$workers" 1
+need_int --spm-sentences "$spm_sentences" 1
 
 if [[ -z "$raw_dir" ]]; then
   raw_dir="$out/orig"
   mkdir -p "$raw_dir"
-  zip="$raw_dir/wikitext-103-v1.zip"
-  if [[ ! -s "$zip" ]]; then
-    url=https://s3.amazonaws.com/research.metamind.io/wikitext/wikitext-103-v1.zip
-    echo "[prepare] downloading $url"
-    if command -v curl >/dev/null; then curl -fL --retry 3 -o "$zip.part" "$url"; else wget -q -O "$zip.part" "$url"; fi
-    mv "$zip.part" "$zip"
-  fi
+  fetch https://s3.amazonaws.com/research.metamind.io/wikitext/wikitext-103-v1.zip "$raw_dir/wikitext-103-v1.zip"
 fi
 [[ -d "$raw_dir" ]] || die "--raw-dir: no such directory: $raw_dir"
 raw_dir="$(cd "$raw_dir" && pwd)"
@@ -64,13 +48,10 @@ for z in "$raw_dir"/*.zip; do
 done
 shopt -u nullglob
 
-find_file() {
-  local hit
-  hit="$(find "$raw_dir" -type f -name "$1" | sort | head -n 1)"
-  [[ -n "$hit" ]] || die "--raw-dir $raw_dir: file '$1' not found (expected wiki.train.tokens, wiki.valid.tokens, wiki.test.tokens)"
-  echo "$hit"
-}
-train="$(find_file wiki.train.tokens)"; valid="$(find_file wiki.valid.tokens)"; test="$(find_file wiki.test.tokens)"
+expected="expected wiki.train.tokens, wiki.valid.tokens, wiki.test.tokens"
+train="$(find_file "$raw_dir" wiki.train.tokens "$expected")"
+valid="$(find_file "$raw_dir" wiki.valid.tokens "$expected")"
+test="$(find_file "$raw_dir" wiki.test.tokens "$expected")"
 
 mkdir -p "$out/tmp"
 tmp="$out/tmp"; log="$out/prepare.log"; : > "$log"

@@ -22,51 +22,24 @@ set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=../common.sh
-source "$here/../common.sh"  # root, py, bindir, textprep, die
+source "$here/../common.sh"  # root, py, bindir, die and the train.sh helpers
 
-methods="baseline agg aug agg+aug mlra agg+mlra"
-[[ $# -ge 1 ]] || die "usage: train.sh METHOD [fairseq flags...]; METHOD is one of: $methods"
-method="$1"; shift
-case " $methods " in *" $method "*) ;; *) die "METHOD must be one of: $methods (got '$method')" ;; esac
-
-data="${DATA_BIN:-$root/data/wikitext103/data-bin}"
-save_dir="${SAVE_DIR:-$root/checkpoints/wikitext103/$method}"
-stats="${EMBED_STATS_INTERVAL:-0}"
-[[ "$stats" =~ ^[0-9]+$ ]] || die "EMBED_STATS_INTERVAL must be an integer >= 0, got '$stats'"
-if [[ "${DRY_RUN:-0}" != 1 ]]; then
-  [[ -f "$data/dict.txt" ]] || die "DATA_BIN=$data has no dict.txt: run examples/wikitext103/prepare.sh first"
-fi
+read_method "METHOD [fairseq flags...]" "$@"; shift
+train_settings "$root/data/wikitext103/data-bin" "$root/checkpoints/wikitext103/$method" dict.txt \
+  examples/wikitext103/prepare.sh
 
 arch=transformer_lm_gpt2_small
 [[ "$method" == *mlra* ]] && arch=transformer_lm_mlra_gpt2_small
-case "$method" in
-  baseline|mlra)
-    if (( stats > 0 )); then crit=(--criterion cross_entropy_with_stats); else crit=(--criterion cross_entropy); fi ;;
-  agg|agg+mlra) crit=(--criterion cross_entropy_agg --agg-alpha 0.03) ;;
-  aug) crit=(--criterion augmented_loss) ;;
-  agg+aug) crit=(--criterion cross_entropy_agg --agg-alpha 0.03 --aug-alpha 0.5) ;;
-esac
-(( stats > 0 )) && crit+=(--embed-stats-interval "$stats")
+method_criterion cross_entropy 0.03
+gpu_precision
 
-precision=()
-if "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  precision=(--fp16)
-fi
-
-cmd=("$bindir/fairseq-train" "$data" --user-dir "$root/fairseq_agg"
-  --task language_modeling --arch "$arch" --share-decoder-input-output-embed
-  "${crit[@]}"
-  --dropout 0.1 --attention-dropout 0.1
-  --optimizer adam --adam-betas "(0.9, 0.98)" --weight-decay 0.01 --clip-norm 0.0
-  --lr 7e-4 --lr-scheduler inverse_sqrt --warmup-updates 4000 --warmup-init-lr 1e-07
-  --tokens-per-sample 1024 --sample-break-mode none --max-tokens 4096 --update-freq 8
-  "${precision[@]}" --seed 1 --max-update 50000 --ddp-backend no_c10d
-  --save-dir "$save_dir" --log-format simple --log-interval 100
-  "$@")
-
-if [[ "${DRY_RUN:-0}" == 1 ]]; then
-  printf '%q ' "${cmd[@]}"; echo
-  exit 0
-fi
-mkdir -p "$save_dir"
-exec "${cmd[@]}"
+run_train "$bindir/fairseq-train" "$data" --user-dir "$root/fairseq_agg" \
+  --task language_modeling --arch "$arch" --share-decoder-input-output-embed \
+  "${crit[@]}" \
+  --dropout 0.1 --attention-dropout 0.1 \
+  --optimizer adam --adam-betas "(0.9, 0.98)" --weight-decay 0.01 --clip-norm 0.0 \
+  --lr 7e-4 --lr-scheduler inverse_sqrt --warmup-updates 4000 --warmup-init-lr 1e-07 \
+  --tokens-per-sample 1024 --sample-break-mode none --max-tokens 4096 --update-freq 8 \
+  "${precision[@]}" --seed 1 --max-update 50000 --ddp-backend no_c10d \
+  --save-dir "$save_dir" --log-format simple --log-interval 100 \
+  "$@"

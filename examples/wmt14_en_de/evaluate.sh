@@ -19,39 +19,21 @@ set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=../common.sh
-source "$here/../common.sh"  # root, py, bindir, textprep, die
+source "$here/../common.sh"  # root, py, bindir, textprep, die, parse_flags, need_int
 
-# fairseq pickles its legacy config (argparse.Namespace) into checkpoints; torch >= 2.6 loads
-# with weights_only=True by default and refuses it. These are your own training outputs.
-export TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="${TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD:-1}"
 
 ckpts=""; prep="$root/data/wmt14_en_de"; num=5; kind=epoch; upper=""; subset=test
 beam=4; lenpen=0.6; bsz=100; out=""; extra=()
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --checkpoints) ckpts="${2:?}"; shift 2 ;;
-    --prep) prep="${2:?}"; shift 2 ;;
-    --num-checkpoints) num="${2:?}"; shift 2 ;;
-    --kind) kind="${2:?}"; shift 2 ;;
-    --upper-bound) upper="${2:?}"; shift 2 ;;
-    --subset) subset="${2:?}"; shift 2 ;;
-    --beam) beam="${2:?}"; shift 2 ;;
-    --lenpen) lenpen="${2:?}"; shift 2 ;;
-    --batch-size) bsz="${2:?}"; shift 2 ;;
-    --out) out="${2:?}"; shift 2 ;;
-    --) shift; extra=("$@"); break ;;
-    -h|--help) sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) die "unknown argument '$1' (see --help)" ;;
-  esac
-done
+parse_flags "--checkpoints=ckpts --prep=prep --num-checkpoints=num --kind=kind --upper-bound=upper
+  --subset=subset --beam=beam --lenpen=lenpen --batch-size=bsz --out=out --" "$@"
 
 [[ -n "$ckpts" ]] || die "--checkpoints DIR is required"
 [[ -d "$ckpts" ]] || die "--checkpoints: no such directory: $ckpts"
-[[ "$num" =~ ^[0-9]+$ ]] && (( num >= 1 )) || die "--num-checkpoints must be an integer >= 1, got '$num'"
+need_int --num-checkpoints "$num" 1
 [[ "$kind" == epoch || "$kind" == update ]] || die "--kind must be epoch or update, got '$kind'"
 [[ "$subset" == test || "$subset" == valid ]] || die "--subset must be test or valid, got '$subset'"
 [[ -z "$upper" || "$upper" =~ ^[0-9]+$ ]] || die "--upper-bound must be an integer, got '$upper'"
-[[ "$beam" =~ ^[0-9]+$ ]] && (( beam >= 1 )) || die "--beam must be an integer >= 1, got '$beam'"
+need_int --beam "$beam" 1
 data="$prep/data-bin"; spm="$prep/spm.model"; ref="$prep/raw/$subset.de"
 for f in "$data/dict.de.txt" "$spm" "$ref"; do
   [[ -f "$f" ]] || die "--prep $prep: missing $f (run prepare.sh with --out $prep)"

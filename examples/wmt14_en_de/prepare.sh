@@ -22,7 +22,7 @@ set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=../common.sh
-source "$here/../common.sh"  # root, py, bindir, textprep, die
+source "$here/../common.sh"  # root, py, bindir, textprep, die, parse_flags, need_int
 
 raw_dir=""
 out="$root/data/wmt14_en_de"
@@ -31,34 +31,13 @@ nc=v12
 workers="$(nproc 2>/dev/null || echo 1)"
 spm_sentences=10000000
 
-usage() { sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+parse_flags "--raw-dir=raw_dir --out=out --vocab-size=vocab --news-commentary=nc --workers=workers
+  --spm-sentences=spm_sentences" "$@"
 
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --raw-dir) raw_dir="${2:?--raw-dir needs a directory}"; shift 2 ;;
-    --out) out="${2:?--out needs a directory}"; shift 2 ;;
-    --vocab-size) vocab="${2:?}"; shift 2 ;;
-    --news-commentary) nc="${2:?}"; shift 2 ;;
-    --workers) workers="${2:?}"; shift 2 ;;
-    --spm-sentences) spm_sentences="${2:?}"; shift 2 ;;
-    -h|--help) usage; exit 0 ;;
-    *) die "unknown argument '$1' (see --help)" ;;
-  esac
-done
-
-[[ "$vocab" =~ ^[0-9]+$ ]] && (( vocab >= 100 )) || die "--vocab-size must be an integer >= 100, got '$vocab'"
+need_int --vocab-size "$vocab" 100
 [[ "$nc" == v12 || "$nc" == v9 ]] || die "--news-commentary must be v12 or v9, got '$nc'"
-[[ "$workers" =~ ^[0-9]+$ ]] && (( workers >= 1 )) || die "--workers must be an integer >= 1, got '$workers'"
-[[ "$spm_sentences" =~ ^[0-9]+$ ]] && (( spm_sentences >= 1 )) || die "--spm-sentences must be an integer >= 1"
-
-fetch() {  # fetch URL DEST: idempotent download
-  local url="$1" dest="$2"
-  [[ -s "$dest" ]] && return 0
-  echo "[prepare] downloading $url"
-  if command -v curl >/dev/null; then curl -fL --retry 3 -o "$dest.part" "$url"
-  else wget -q -O "$dest.part" "$url"; fi
-  mv "$dest.part" "$dest"
-}
+need_int --workers "$workers" 1
+need_int --spm-sentences "$spm_sentences" 1
 
 if [[ -z "$raw_dir" ]]; then
   raw_dir="$out/orig"
@@ -70,8 +49,8 @@ if [[ -z "$raw_dir" ]]; then
   else
     fetch http://statmt.org/wmt14/training-parallel-nc-v9.tgz "$raw_dir/training-parallel-nc-v9.tgz"
   fi
-  for spec in "wmt13 newstest2013" "wmt14/full newstest2014"; do
-    set -- $spec
+  for testset in "wmt13 newstest2013" "wmt14/full newstest2014"; do
+    set -- $testset
     for side in en de; do
       what=src; [[ "$side" == de ]] && what=ref
       if [[ ! -s "$raw_dir/$2.$side" ]]; then
@@ -96,13 +75,7 @@ for tgz in "$raw_dir"/*.tgz "$raw_dir"/*.tar.gz; do
 done
 shopt -u nullglob
 
-find_file() {  # the one file named $1 under the raw dir
-  local hit
-  hit="$(find "$raw_dir" -type f -name "$1" | sort | head -n 1)"
-  [[ -n "$hit" ]] || die "--raw-dir $raw_dir: file '$1' not found (see --help for the expected files)"
-  echo "$hit"
-}
-
+expected="see --help for the expected files"
 mkdir -p "$out/tmp" "$out/raw"
 tmp="$out/tmp"
 log="$out/prepare.log"
@@ -111,7 +84,7 @@ log="$out/prepare.log"
 # 1. Training text: concatenate the corpora, checking that each is aligned line by line.
 : > "$tmp/train.raw.en"; : > "$tmp/train.raw.de"
 for corpus in europarl-v7.de-en commoncrawl.de-en "news-commentary-$nc.de-en"; do
-  en="$(find_file "$corpus.en")"; de="$(find_file "$corpus.de")"
+  en="$(find_file "$raw_dir" "$corpus.en" "$expected")"; de="$(find_file "$raw_dir" "$corpus.de" "$expected")"
   nen=$(wc -l < "$en"); nde=$(wc -l < "$de")
   (( nen == nde )) || die "$corpus: $nen English lines but $nde German lines ($en, $de)"
   echo "[prepare] $corpus: $nen sentence pairs" | tee -a "$log"
@@ -124,7 +97,7 @@ done
 for pair in "valid newstest2013" "test newstest2014"; do
   set -- $pair
   for side in en de; do
-    f="$(find_file "$2.$side")"
+    f="$(find_file "$raw_dir" "$2.$side" "$expected")"
     tr -d '\r' < "$f" > "$out/raw/$1.$side"
   done
   nen=$(wc -l < "$out/raw/$1.en"); nde=$(wc -l < "$out/raw/$1.de")

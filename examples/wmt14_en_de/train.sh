@@ -23,58 +23,29 @@ set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=../common.sh
-source "$here/../common.sh"  # root, py, bindir, textprep, die
+source "$here/../common.sh"  # root, py, bindir, die and the train.sh helpers
 
-methods="baseline agg aug agg+aug mlra agg+mlra"
-[[ $# -ge 1 ]] || die "usage: train.sh METHOD [base|big] [fairseq flags...]; METHOD is one of: $methods"
-method="$1"; shift
+read_method "METHOD [base|big] [fairseq flags...]" "$@"; shift
 size=base
 if [[ $# -ge 1 && ( "$1" == base || "$1" == big ) ]]; then size="$1"; shift; fi
-case " $methods " in *" $method "*) ;; *) die "METHOD must be one of: $methods (got '$method')" ;; esac
-
-data="${DATA_BIN:-$root/data/wmt14_en_de/data-bin}"
-save_dir="${SAVE_DIR:-$root/checkpoints/wmt14_en_de/$method-$size}"
-stats="${EMBED_STATS_INTERVAL:-0}"
-[[ "$stats" =~ ^[0-9]+$ ]] || die "EMBED_STATS_INTERVAL must be an integer >= 0, got '$stats'"
-if [[ "${DRY_RUN:-0}" != 1 ]]; then
-  [[ -f "$data/dict.en.txt" ]] || die "DATA_BIN=$data has no dict.en.txt: run examples/wmt14_en_de/prepare.sh first"
-fi
+train_settings "$root/data/wmt14_en_de/data-bin" "$root/checkpoints/wmt14_en_de/$method-$size" dict.en.txt \
+  examples/wmt14_en_de/prepare.sh
 
 arch=transformer_wmt_en_de
 [[ "$size" == big ]] && arch=transformer_vaswani_wmt_en_de_big
 case "$method" in
   *mlra*) if [[ "$size" == big ]]; then arch=transformer_mlra_vaswani_wmt_en_de_big; else arch=transformer_mlra_wmt_en_de; fi ;;
 esac
+method_criterion label_smoothed_cross_entropy 0.08 --label-smoothing 0.1
+gpu_precision
 
-case "$method" in
-  baseline|mlra)
-    if (( stats > 0 )); then crit=(--criterion label_smoothed_cross_entropy_with_stats --label-smoothing 0.1)
-    else crit=(--criterion label_smoothed_cross_entropy --label-smoothing 0.1); fi ;;
-  agg|agg+mlra) crit=(--criterion cross_entropy_agg --label-smoothing 0.1 --agg-alpha 0.08) ;;
-  aug) crit=(--criterion augmented_loss --label-smoothing 0.1) ;;
-  agg+aug) crit=(--criterion cross_entropy_agg --label-smoothing 0.1 --agg-alpha 0.08 --aug-alpha 0.5) ;;
-esac
-(( stats > 0 )) && crit+=(--embed-stats-interval "$stats")
-
-precision=()
-if "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  precision=(--fp16)
-fi
-
-cmd=("$bindir/fairseq-train" "$data" --user-dir "$root/fairseq_agg"
-  --task translation --source-lang en --target-lang de
-  --arch "$arch" --share-all-embeddings
-  "${crit[@]}"
-  --optimizer adam --adam-betas "(0.9, 0.98)" --clip-norm 0.0 --weight-decay 0.01
-  --lr 1e-3 --lr-scheduler inverse_sqrt --warmup-updates 4000 --warmup-init-lr 1e-07 --stop-min-lr 1e-09
-  --dropout 0.3 --max-tokens 8192 --update-freq 8 "${precision[@]}" --seed 1
-  --max-update 200000 --save-interval-updates 2000 --keep-interval-updates 10
-  --save-dir "$save_dir" --log-format simple --log-interval 100
-  "$@")
-
-if [[ "${DRY_RUN:-0}" == 1 ]]; then
-  printf '%q ' "${cmd[@]}"; echo
-  exit 0
-fi
-mkdir -p "$save_dir"
-exec "${cmd[@]}"
+run_train "$bindir/fairseq-train" "$data" --user-dir "$root/fairseq_agg" \
+  --task translation --source-lang en --target-lang de \
+  --arch "$arch" --share-all-embeddings \
+  "${crit[@]}" \
+  --optimizer adam --adam-betas "(0.9, 0.98)" --clip-norm 0.0 --weight-decay 0.01 \
+  --lr 1e-3 --lr-scheduler inverse_sqrt --warmup-updates 4000 --warmup-init-lr 1e-07 --stop-min-lr 1e-09 \
+  --dropout 0.3 --max-tokens 8192 --update-freq 8 "${precision[@]}" --seed 1 \
+  --max-update 200000 --save-interval-updates 2000 --keep-interval-updates 10 \
+  --save-dir "$save_dir" --log-format simple --log-interval 100 \
+  "$@"

@@ -1,35 +1,46 @@
 """``cross_entropy_agg``: Adaptive Gradient Gating (Yu et al., ACL 2022, "Rare Tokens Degenerate All Tokens").
 
 The loss value and the hidden-state gradients are those of (label-smoothed) cross-entropy; only
-the output-softmax part of the output-embedding gradient is gated (paper §4; spec agg.md §1-§5):
-for a rare token r, its "pushing" gradient from contexts with a non-rare target is scaled by
-g1_r, from contexts with another rare target by g2_r; its gradient from its own contexts is kept.
+the output-softmax part of the output-embedding gradient is gated (paper §4; docs/agg.md): for a
+rare token r, its "pushing" gradient from contexts with a non-rare target is scaled by g1_r, from
+contexts with another rare target by g2_r; its gradient from its own contexts is kept.
 
 Rare tokens are found from target counts over the last K optimizer updates (K = updates per epoch
 by default). Counts move only in training, are summed over data-parallel ranks, and are saved in
-the checkpoint, so a resumed run continues with the same counts and gates.
+the checkpoint, so a resumed run continues with the same counts and gates. The math is in
+:mod:`fairseq_agg.ops.agg_gates`; ``--aug-alpha`` adds the augmented loss in the same fused pass
+(:mod:`fairseq_agg.criterions.augmented_loss`).
 """
 import logging
 from dataclasses import dataclass, field
 
 import torch
+from fairseq import metrics
 from fairseq.criterions import register_criterion
 from fairseq.dataclass import ChoiceEnum
 
-from fairseq_agg.ops.rare_tokens import RareTokenWindow, agg_gates, target_histogram
+from fairseq_agg.fairseq_hooks import add_state_anchor, data_parallel_group, is_translation_task, updates_per_epoch
+from fairseq_agg.ops.agg_gates import (
+    RareTokenWindow, agg_gates, alpha_allowed_range, frozen_rare_rows, resolve_threshold, target_histogram,
+)
+from fairseq_agg.stats.groups import frequency_groups, parse_fractions
 
-from ._training_hooks import updates_per_epoch
-from .output_loss import OutputLossConfig, OutputLossCriterion, _check_range
+from .augmented_loss import AugmentedLossConfig, AugmentedLossMixin
+from .output_loss import OutputLossCriterion, check_range
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class AggCriterionConfig(OutputLossConfig):
+class AggCriterionConfig(AugmentedLossConfig):
+    aug_alpha: float = field(
+        default=0.0, metadata={"help": "weight alpha of the augmented loss (>= 0; 0 = off)"}
+    )
     agg_alpha: float = field(
         default=0.03,
-        metadata={"help": "rare-token threshold alpha (> 0): a token is rare if its mean count per update is "
-                  "below alpha (paper: 0.03 for WikiText-103 LM, 0.08 for WMT14 MT)"},
+        metadata={"help": "rare-token threshold alpha (in (0, 1] with --agg-g1-mode code, > 0 with normalized): a token is rare if it occurs fewer than alpha times "
+                  "per --agg-ref-tokens target tokens of the window (per optimizer update with "
+                  "--agg-threshold-mode per-update); paper: 0.03 for WikiText-103 LM, 0.08 for WMT14 MT"},
     )
     agg_window: int = field(
         default=0,
@@ -40,58 +51,100 @@ class AggCriterionConfig(OutputLossConfig):
         default="code",
         metadata={"help": "gate g1 of rare tokens: code = a_k (the released code), normalized = a_k / alpha"},
     )
-    agg_threshold_mode: ChoiceEnum(["per-update", "relative"]) = field(
-        default="per-update",
-        metadata={"help": "per-update: a_k = mean count per update (the paper); relative: a_k = count per "
-                  "--agg-ref-tokens target tokens, invariant to the batch size"},
+    agg_threshold_mode: ChoiceEnum(["auto", "relative", "per-update"]) = field(
+        default="auto",
+        metadata={"help": "auto = relative (batch-size invariant); relative: a_k = count per --agg-ref-tokens "
+                  "target tokens of the window; per-update: a_k = mean count per optimizer update (the "
+                  "released code, whose strength depends on the tokens per update)"},
     )
     agg_ref_tokens: int = field(
-        default=32768,
-        metadata={"help": "reference target tokens per update for --agg-threshold-mode relative (>= 1)"},
+        default=0,
+        metadata={"help": "reference target tokens per update B_ref of the relative threshold (>= 1); 0 = auto: "
+                  "the paper's recipes, 32768 for language modeling, 65536 for translation"},
     )
     agg_local_counts: bool = field(
         default=False,
         metadata={"help": "count targets of this rank only (the released code's multi-GPU behaviour) "
                   "instead of summing the counts over data-parallel ranks"},
     )
-    agg_chunk_size: int = field(
-        default=2048,
-        metadata={"help": "target tokens per chunk of the fused output layer (>= 1); memory is O(chunk x V)"},
-    )
     agg_legacy_double_loss: bool = field(
         default=False,
         metadata={"help": "report loss = 2 x CE as the released code did (gradients unchanged)"},
     )
+    agg_freeze_rare: bool = field(
+        default=False,
+        metadata={"help": "rare-token freezing instead of gating (the AGG paper's Table 1 analysis): the "
+                  "output-embedding gradient of every rare token is zero, the rest is plain cross-entropy"},
+    )
+    agg_freeze_set: ChoiceEnum(["window", "group"]) = field(
+        default="window",
+        metadata={"help": "rare tokens to freeze: window = AGG's rare group (window counts, --agg-alpha); "
+                  "group = the static rare group of the statistics (--embed-group-fractions, default the "
+                  "bottom 20 percent of the dictionary)"},
+    )
+    agg_freeze_until_update: int = field(
+        default=0,
+        metadata={"help": "freeze during the first N updates only (>= 0; 0 = the whole run)"},
+    )
 
 
 @register_criterion("cross_entropy_agg", dataclass=AggCriterionConfig)
-class AggCriterion(OutputLossCriterion):
+class AggCriterion(AugmentedLossMixin, OutputLossCriterion):
     def __init__(self, task, cfg: AggCriterionConfig):
+        allowed_alpha, alpha_ok = alpha_allowed_range(cfg.agg_g1_mode)
+        check_range("agg_alpha", cfg.agg_alpha, alpha_ok(cfg.agg_alpha), allowed_alpha)
+        check_range("agg_window", cfg.agg_window, cfg.agg_window >= 0, ">= 1 (or 0 for auto)")
+        check_range("agg_ref_tokens", cfg.agg_ref_tokens, cfg.agg_ref_tokens >= 0, ">= 1 (or 0 for auto)")
         super().__init__(task, cfg)
-        _check_range("agg_alpha", cfg.agg_alpha, cfg.agg_alpha > 0, "> 0")
-        _check_range("agg_window", cfg.agg_window, cfg.agg_window >= 0, ">= 1 (or 0 for auto)")
-        _check_range("agg_ref_tokens", cfg.agg_ref_tokens, cfg.agg_ref_tokens >= 1, ">= 1")
-        _check_range("agg_chunk_size", cfg.agg_chunk_size, cfg.agg_chunk_size >= 1, ">= 1")
-        self.chunk_size = cfg.agg_chunk_size
         self.nspecial = self.dictionary.nspecial
         self.window = RareTokenWindow(len(self.dictionary), cfg.agg_window or None)
-        # fairseq saves and restores a criterion's state_dict only when the criterion has
-        # parameters (Trainer.state_dict / load_checkpoint). This one-element anchor, added to the
-        # loss times zero, makes the counting window part of every checkpoint; it never changes.
-        self.state_anchor = torch.nn.Parameter(torch.zeros(1))
+        add_state_anchor(self)  # the window travels with every checkpoint
+        self.threshold_mode, self.ref_tokens = resolve_threshold(
+            cfg.agg_threshold_mode, cfg.agg_ref_tokens, is_translation_task(task)
+        )
+        self._threshold_logged = False
+        if self.window.is_configured:
+            self.log_threshold()
         self._last_gates = None
+        check_range("agg_freeze_until_update", cfg.agg_freeze_until_update, cfg.agg_freeze_until_update >= 0, ">= 0")
+        self.frozen_rows = None  # rows of dW held at zero in this micro-batch (--agg-freeze-rare)
+        self.frozen_group = None
+        if cfg.agg_freeze_rare and cfg.agg_freeze_set == "group":
+            self.frozen_group = frequency_groups(
+                self.dictionary, parse_fractions(cfg.embed_group_fractions), cfg.embed_group_preset
+            )["rare"]
 
     def on_train_batches(self, batches_per_epoch):
         if not self.window.is_configured:
             window = updates_per_epoch(batches_per_epoch, self.cfg.update_freq)
             logger.info(f"AGG counting window: {window} updates (one epoch; set --agg-window to change)")
             self.window.set_window(window)
+        self.log_threshold()  # also after a resume, whose window came from the checkpoint
+
+    def log_threshold(self):
+        """Says once, at start-up, what --agg-alpha means in this run."""
+        if self._threshold_logged:
+            return
+        self._threshold_logged = True
+        alpha, window = self.cfg.agg_alpha, self.window.window
+        if self.threshold_mode == "relative":
+            logger.info(
+                f"AGG: a token is rare below {alpha:g} occurrences per {self.ref_tokens} target tokens "
+                f"(relative frequency < {alpha / self.ref_tokens:.3g}, whatever the tokens per update); "
+                f"{window} updates per window"
+            )
+        else:
+            logger.info(
+                f"AGG: a token is rare below {alpha:g} occurrences per optimizer update (--agg-threshold-mode "
+                f"per-update: the threshold scales with the tokens per update); {window} updates per window"
+            )
 
     def compute_gates(self, model, target):
         self._last_gates = None
+        self.frozen_rows = None
         if not (model.training and torch.is_grad_enabled()):
             return None  # validation: counts never change, and no gradient needs gating
-        if self._update_num is None:
+        if self.update_num is None:
             raise RuntimeError(
                 "cross_entropy_agg needs the update number: train with fairseq-train, or call "
                 "criterion.set_update_num(n) before each training forward"
@@ -101,11 +154,11 @@ class AggCriterion(OutputLossCriterion):
                 "--agg-window is 0 (auto, one epoch of updates) but the number of updates per epoch is "
                 "unknown here; pass --agg-window N (N >= 1)"
             )
-        self.window.start_update(self._update_num + 1)
-        if self._ignore_grad:
+        self.window.start_update(self.update_num + 1)
+        if self.ignore_grad:
             target = target[:0]  # a dummy batch still joins the collective, with nothing in it
         histogram = target_histogram(
-            target, len(self.dictionary), all_reduce=not self.cfg.agg_local_counts, group=_data_parallel_group()
+            target, len(self.dictionary), all_reduce=not self.cfg.agg_local_counts, group=data_parallel_group()
         )
         self.window.add(histogram)
         gates = agg_gates(
@@ -114,14 +167,22 @@ class AggCriterion(OutputLossCriterion):
             self.cfg.agg_alpha,
             self.nspecial,
             g1_mode=self.cfg.agg_g1_mode,
-            threshold_mode=self.cfg.agg_threshold_mode,
-            ref_tokens=self.cfg.agg_ref_tokens,
-        )
-        gates.g1 = gates.g1.to(target.device)
-        gates.g2 = gates.g2.to(target.device)
-        gates.rare = gates.rare.to(target.device)
+            threshold_mode=self.threshold_mode,
+            ref_tokens=self.ref_tokens,
+        ).to(target.device)
+        if self.cfg.agg_freeze_rare:
+            until = self.cfg.agg_freeze_until_update
+            if until == 0 or self.update_num < until:
+                self.frozen_rows = frozen_rare_rows(
+                    len(self.dictionary), gates=None if self.frozen_group is not None else gates,
+                    group=self.frozen_group, device=target.device,
+                )
+            return None  # freezing replaces the gates: plain cross-entropy on every other row
         self._last_gates = gates
         return gates
+
+    def output_layer(self, hidden, weight, target, gates=None, teacher=None, **terms):
+        return super().output_layer(hidden, weight, target, gates, teacher, frozen_rows=self.frozen_rows, **terms)
 
     def adjust_loss(self, loss):
         loss = loss + 0.0 * self.state_anchor.sum()  # keeps the anchor in the graph (DDP), adds nothing
@@ -130,6 +191,8 @@ class AggCriterion(OutputLossCriterion):
         return loss
 
     def extra_logging(self):
+        if self.frozen_rows is not None:
+            return {"agg_freeze_steps": 1, "agg_frozen": self.frozen_rows.sum()}
         gates = self._last_gates
         if gates is None:
             return {}
@@ -147,25 +210,17 @@ class AggCriterion(OutputLossCriterion):
 
     @classmethod
     def reduce_extra_metrics(cls, logging_outputs, total):
-        from fairseq import metrics
-
+        super().reduce_extra_metrics(logging_outputs, total)
         steps = total("agg_steps")
         if steps:
             for key, digits in (("agg_rare", 1), ("agg_very_rare", 1), ("agg_g1", 4), ("agg_g2", 4)):
                 metrics.log_scalar(key, total(key) / steps, steps, round=digits)
+        freeze_steps = total("agg_freeze_steps")
+        if freeze_steps:
+            metrics.log_scalar("agg_frozen", total("agg_frozen") / freeze_steps, freeze_steps, round=1)
 
     def load_state_dict(self, state_dict, strict=True, **kwargs):
         if state_dict is None:  # checkpoint written by another criterion
             logger.info("checkpoint has no AGG counts: the counting window starts empty")
             return
         return super().load_state_dict(state_dict, strict=strict, **kwargs)
-
-
-def _data_parallel_group():
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    from fairseq.distributed import utils as distributed_utils
-
-    return distributed_utils.get_data_parallel_group()

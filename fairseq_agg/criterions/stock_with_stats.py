@@ -2,7 +2,7 @@
 statistics, so that a baseline run logs the same TEV / isotropy keys as a method run.
 
 Loss, gradients and the other logged values are exactly those of the stock criteria; only the
-``--embed-stats-*`` / ``--tev-*`` / ``--iso-rows`` flags are added (see ``fairseq_agg.stats.live``).
+``--embed-stats-*`` / ``--tev-*`` / ``--iso-rows`` flags are added (docs/stats.md).
 """
 from dataclasses import dataclass
 
@@ -13,7 +13,22 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterionConfig,
 )
 
-from fairseq_agg.stats.live import EmbeddingStatsConfig, EmbeddingStatsMixin
+from fairseq_agg.stats.config import EmbeddingStatsConfig
+from fairseq_agg.stats.live import EmbeddingStatsMixin, reduce_embedding_stats
+
+
+class _WithStats(EmbeddingStatsMixin):
+    """The statistics added to a stock criterion's ``forward`` and ``reduce_metrics``."""
+
+    def forward(self, model, sample, reduce=True):
+        loss, sample_size, logging_output = super().forward(model, sample, reduce=reduce)
+        self.log_embedding_stats(model, logging_output)
+        return loss, sample_size, logging_output
+
+    @classmethod
+    def reduce_metrics(cls, logging_outputs) -> None:
+        super().reduce_metrics(logging_outputs)
+        reduce_embedding_stats(logging_outputs)
 
 
 @dataclass
@@ -22,10 +37,8 @@ class CrossEntropyWithStatsConfig(CrossEntropyCriterionConfig, EmbeddingStatsCon
 
 
 @register_criterion("cross_entropy_with_stats", dataclass=CrossEntropyWithStatsConfig)
-class CrossEntropyWithStatsCriterion(EmbeddingStatsMixin, CrossEntropyCriterion):
-    def forward(self, model, sample, reduce=True):
-        self.log_embedding_stats(model)
-        return super().forward(model, sample, reduce=reduce)
+class CrossEntropyWithStatsCriterion(_WithStats, CrossEntropyCriterion):
+    pass
 
 
 @dataclass
@@ -36,7 +49,5 @@ class LabelSmoothedCrossEntropyWithStatsConfig(LabelSmoothedCrossEntropyCriterio
 @register_criterion(
     "label_smoothed_cross_entropy_with_stats", dataclass=LabelSmoothedCrossEntropyWithStatsConfig
 )
-class LabelSmoothedCrossEntropyWithStatsCriterion(EmbeddingStatsMixin, LabelSmoothedCrossEntropyCriterion):
-    def forward(self, model, sample, reduce=True):
-        self.log_embedding_stats(model)
-        return super().forward(model, sample, reduce=reduce)
+class LabelSmoothedCrossEntropyWithStatsCriterion(_WithStats, LabelSmoothedCrossEntropyCriterion):
+    pass

@@ -3,9 +3,9 @@
 The paper's own setting (Chung et al., 2024, arXiv 2409.07787): a Pre-LN GPT-2-style decoder
 whose Q, K, V projections are rank-r products (§3). Not the KV-sharding MLRA of Liu et al. (2026).
 Architectures mirror the stock names; ``transformer_lm_mlra_wiki103`` is the shape of
-``transformer_lm_wiki103`` without adaptive input / adaptive softmax.
+``transformer_lm_wiki103`` without adaptive input / adaptive softmax. Flags and defaults:
+docs/mlra.md.
 """
-import logging
 from dataclasses import dataclass, fields
 
 from fairseq.models import register_model, register_model_architecture
@@ -19,30 +19,19 @@ from fairseq.models.transformer_lm import (
 )
 from fairseq.utils import safe_getattr
 
-from fairseq_agg.models.transformer_mlra import (
-    MLRATransformerDecoder,
-    check_mlra_config,
-    fill_mlra_defaults,
-    log_mlra_summary,
-    mlra_attention_param_count,
-    rebalance_extra_params,
-    rebalanced_stack,
-)
-from fairseq_agg.modules.mlra import MLRAConfig, mha_param_count
-
-logger = logging.getLogger(__name__)
+from fairseq_agg.models.mlra_budget import log_mlra_summary, mha_baseline_params, rebalance_stack, stack_budget
+from fairseq_agg.models.mlra_layers import MLRATransformerDecoder
+from fairseq_agg.models.mlra_options import AttentionSite, MLRAConfig, MLRAOptions, copy_mlra_flags, fill_mlra_defaults
 
 
 @dataclass
 class TransformerLMMLRAConfig(TransformerLanguageModelConfig, MLRAConfig):
-    """fairseq's transformer_lm flags plus the MLRA flags (modules/mlra.py: MLRAConfig)."""
+    """fairseq's transformer_lm flags plus the MLRA flags (models/mlra_options.py: MLRAConfig)."""
 
 
-def _lm_layer_bookkeeping(cfg):
-    """(saved per layer, params of one MLRA layer) for a decoder-only stack."""
-    d, h, f = cfg.decoder.embed_dim, cfg.decoder.attention_heads, cfg.decoder.ffn_embed_dim
-    mlra = mlra_attention_param_count(d, h, cfg)
-    return mha_param_count(d) - mlra, mlra + 2 * d * f + f + d + 4 * d
+def _self_attention_site(embed_dim: int, num_heads: int) -> AttentionSite:
+    """The one attention kind of a decoder-only model (always factorised)."""
+    return AttentionSite("decoder", "decoder self-attention", embed_dim, num_heads, None, True)
 
 
 @register_model("transformer_lm_mlra", dataclass=TransformerLMMLRAConfig)
@@ -50,45 +39,47 @@ class TransformerLanguageModelMLRA(TransformerLanguageModel):
     """TransformerLanguageModel whose decoder self-attention is MLRA (stability method)."""
 
     @classmethod
-    def hub_models(cls):
-        return {}
+    def add_args(cls, parser):
+        super().add_args(parser)
+        # --arch transformer_lm_mlra gets a no-op architecture function from register_model, so
+        # the parser carries the MLRA defaults (the other archs fill the same ones in)
+        parser.set_defaults(**{f.name: f.default for f in fields(MLRAConfig)})
 
     @classmethod
     def build_model(cls, args, task):
         fill_mlra_defaults(args, TransformerLMMLRAConfig)
-        check_mlra_config(
-            args, [("decoder self-attention", args.decoder_embed_dim, args.decoder_attention_heads)]
-        )
-        # The stock builder makes the token embedding (plain, adaptive input or character CNN)
-        # and runs its own checks; only its decoder is replaced, so build that one without layers.
-        layers, keep = args.decoder_layers, args.decoder_layers_to_keep
-        try:
-            args.decoder_layers, args.decoder_layers_to_keep = 0, None
-            stub = super().build_model(args, task)
-        finally:
-            args.decoder_layers, args.decoder_layers_to_keep = layers, keep
+        options = MLRAOptions.from_cfg(args)
+        options.validate([_self_attention_site(args.decoder_embed_dim, args.decoder_attention_heads)])
+        stub = cls._build_stock_without_layers(args, task)
         if args.decoder_layers_to_keep:
             args.decoder_layers = len(args.decoder_layers_to_keep.split(","))
-
         cfg = TransformerConfig.from_namespace(args)  # a copy: rebalancing leaves args unchanged
-        # from_namespace copies unknown keys of an argparse Namespace but not of a DictConfig
-        for f in fields(TransformerLMMLRAConfig):
-            if f.name.startswith("mlra_") or f.name == "attention_rank":
-                value = safe_getattr(args, f.name, None)
-                setattr(cfg, f.name, value if value is None or isinstance(value, (int, bool)) else str(value))
-        saved, layer_params = _lm_layer_bookkeeping(cfg)
-        n_layers, ffn = cfg.decoder.layers, cfg.decoder.ffn_embed_dim
-        cfg.decoder.ffn_embed_dim, cfg.decoder.layers = rebalanced_stack(
-            cfg, "decoder", saved, layer_params
-        )
+        copy_mlra_flags(args, cfg, TransformerLMMLRAConfig)
+        site = _self_attention_site(cfg.decoder.embed_dim, cfg.decoder.attention_heads)
+        budget = stack_budget(cfg, options, "decoder", [site])
+        rebalance_stack(cfg, options, budget)
         decoder = MLRATransformerDecoder(
             cfg, task.target_dictionary, stub.decoder.embed_tokens, no_encoder_attn=True
         )
         model = cls(decoder)
-        baseline = sum(p.numel() for p in model.parameters()) + saved * n_layers
-        baseline -= rebalance_extra_params(list(decoder.layers), n_layers, ffn, cfg.decoder.embed_dim)
-        log_mlra_summary(model, baseline, "transformer_lm_mlra")
+        log_mlra_summary(model, mha_baseline_params(model, [(budget, decoder.layers)]),
+                         "transformer_lm_mlra")
         return model
+
+    @classmethod
+    def _build_stock_without_layers(cls, args, task):
+        """The stock builder makes the token embedding (plain, adaptive input or character CNN)
+        and runs its own checks; only its decoder is replaced, so it builds one without layers."""
+        layers, keep = args.decoder_layers, args.decoder_layers_to_keep
+        try:
+            args.decoder_layers, args.decoder_layers_to_keep = 0, None
+            return super().build_model(args, task)
+        finally:
+            args.decoder_layers, args.decoder_layers_to_keep = layers, keep
+
+    @classmethod
+    def hub_models(cls):
+        return {}  # no pretrained MLRA models (the stock ones are not MLRA)
 
 
 def base_lm_mlra_architecture(args):

@@ -1,283 +1,32 @@
-"""MLRA: multi-head low-rank attention, the stability method of Chung et al. (2024).
+"""MLRA attention: fairseq's multi-head attention with low-rank factorised projections.
 
-"Stable Language Model Pre-training by Reducing Embedding Variability" (EMNLP 2024,
-arXiv 2409.07787), §3 "Mitigating TEV with Factorization": each of the Q, K, V projections is
-replaced by a product of two thin matrices, W x ~= W_U (W_D x), with nothing in between. This is
-*not* the KV-cache sharding method of Liu et al. (2026) that shares the name.
+MLRA is the stability method of Chung et al., "Stable Language Model Pre-training by Reducing
+Embedding Variability" (EMNLP 2024, arXiv 2409.07787), §3 "Mitigating TEV with Factorization":
+each of the Q, K, V projections is a product of two thin matrices, W x ~= W_U (W_D x), with nothing
+in between (:class:`~fairseq_agg.modules.low_rank_linear.LowRankLinear`). This is *not* the
+KV-cache sharding method of Liu et al. (2026) that shares the name.
 
-The file has two layers:
-
-* pure-torch projection math, independent of fairseq: :class:`LowRankLinear` (shared or per-head
-  factorisation), :class:`HeadwiseLinear`, the init schemes, the rank rules and the parameter
-  formulas (project spec §3.3);
-* :class:`MultiheadLowRankAttention`, a drop-in for fairseq's ``MultiheadAttention`` with the same
-  constructor arguments, forward signature, return values and incremental-state layout (so beam
-  search and cache reordering work unchanged). Attention runs through
-  ``F.scaled_dot_product_attention`` unless attention weights are requested.
+:class:`MultiheadLowRankAttention` is a drop-in for fairseq's ``MultiheadAttention``: the same
+constructor arguments, forward signature, return values and incremental-state layout (so beam
+search and cache reordering work unchanged). Attention runs through
+``F.scaled_dot_product_attention`` unless attention weights are requested. Design notes and the
+parameter formulas: ``docs/mlra.md``.
 """
-import logging
 import math
-from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.models.fairseq_incremental_decoder import FairseqIncrementalDecoder
 from fairseq.modules.fairseq_dropout import FairseqDropout
 from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.modules.quant_noise import quant_noise
+from fairseq_agg.models.mlra_options import METHOD_NAME, MLRAOptions
+from fairseq_agg.modules.low_rank_linear import LowRankLinear, low_rank_param_count, xavier_std
 
-logger = logging.getLogger(__name__)
-
-MLRA_MODES = ("shared", "per_head")
-MLRA_INITS = ("gpt2", "matched")
-MLRA_TARGETS = ("q", "k", "v", "o")
-GPT2_INIT_STD = 0.02
-
-_NAME = "MLRA (Chung et al., 2024, stability)"
-
-
-@dataclass
-class MLRAConfig(FairseqDataclass):
-    """Command-line flags of the MLRA models (project spec §9)."""
-
-    attention_rank: Optional[int] = field(
-        default=None,
-        metadata={
-            "help": "MLRA (Chung et al., 2024, stability; not the KV-sharding MLRA) rank r of each "
-            "factorised attention projection. Default: embed_dim/4 (shared) or head_dim/2 "
-            "(per_head). Allowed: 1 <= r <= embed_dim (shared), 1 <= r <= head_dim (per_head)"
-        },
-    )
-    mlra_mode: ChoiceEnum(MLRA_MODES) = field(
-        default="shared",
-        metadata={
-            "help": "shared: one d_in x r down-projection whose up-projection output is split into "
-            "heads; per_head: every head has its own rank-r factors"
-        },
-    )
-    mlra_init: ChoiceEnum(MLRA_INITS) = field(
-        default="gpt2",
-        metadata={
-            "help": "gpt2: both factors N(0, 0.02); matched: the product has the per-entry std of "
-            "fairseq's dense (Xavier) init, which separates low rank from small init"
-        },
-    )
-    mlra_targets: str = field(
-        default="q,k,v",
-        metadata={"help": "comma-separated subset of q,k,v,o: the projections to factorise"},
-    )
-    mlra_cross_attention: bool = field(
-        default=False,
-        metadata={"help": "also factorise the encoder-decoder (cross) attention of MT decoders"},
-    )
-    mlra_rebalance: ChoiceEnum(["none", "ffn", "depth"]) = field(
-        default="none",
-        metadata={
-            "help": "spend the parameters MLRA saves: none; ffn (widen every FFN of the same "
-            "stack); depth (add whole layers to the stack)"
-        },
-    )
-
-
-# ----------------------------------------------------------------------------------------------
-# Pure projection math (no fairseq)
-# ----------------------------------------------------------------------------------------------
-
-
-class HeadwiseLinear(nn.Module):
-    """A block-diagonal linear map: head h maps its own in_per_head slice to out_per_head.
-
-    weight: [num_heads, out_per_head, in_per_head]; y[..., h, :] = W[h] x[..., h, :] (+ bias).
-    """
-
-    def __init__(self, num_heads: int, in_per_head: int, out_per_head: int, bias: bool = False):
-        super().__init__()
-        self.num_heads = num_heads
-        self.in_per_head = in_per_head
-        self.out_per_head = out_per_head
-        self.in_features = num_heads * in_per_head
-        self.out_features = num_heads * out_per_head
-        self.weight = nn.Parameter(torch.empty(num_heads, out_per_head, in_per_head))
-        self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
-        nn.init.normal_(self.weight, std=GPT2_INIT_STD)
-
-    def forward(self, x: Tensor) -> Tensor:
-        lead = x.shape[:-1]
-        xh = x.reshape(-1, self.num_heads, self.in_per_head).transpose(0, 1)  # H x N x in
-        y = torch.bmm(xh, self.weight.transpose(1, 2))  # H x N x out
-        y = y.transpose(0, 1).reshape(*lead, self.out_features)
-        if self.bias is not None:
-            y = y + self.bias
-        return y
-
-    def dense_weight(self) -> Tensor:
-        """The equivalent [out_features, in_features] block-diagonal matrix."""
-        return torch.block_diag(*self.weight.unbind(0))
-
-    def extra_repr(self):
-        return (
-            f"num_heads={self.num_heads}, in_per_head={self.in_per_head}, "
-            f"out_per_head={self.out_per_head}, bias={self.bias is not None}"
-        )
-
-
-class LowRankLinear(nn.Module):
-    """y = U (D x) + b, a linear map of rank <= r with no nonlinearity between the factors.
-
-    mode ``shared``: D in R^{r x d_in}, U in R^{d_out x r} (spec §3.3 "Shared mode").
-    mode ``per_head``: every head h of size d_h = d_out / H has its own factors.
-      * split ``out`` (Q, K, V: heads live on the output side): D^{(h)} in R^{r x d_in},
-        U^{(h)} in R^{d_h x r}; implemented as a dense d_in -> H*r map and a head-wise r -> d_h map.
-      * split ``in`` (O: heads live on the input side): D^{(h)} in R^{r x d_h} on head h's slice,
-        U^{(h)} in R^{d_out x r}; the head contributions are summed by one dense H*r -> d_out map.
-    The bias sits on the up-projection only; the down-projection is bias-free (spec §9).
-    """
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        rank: int,
-        mode: str = "shared",
-        num_heads: int = 1,
-        split: str = "out",
-        bias: bool = True,
-    ):
-        super().__init__()
-        if mode not in MLRA_MODES:
-            raise ValueError(f"--mlra-mode must be one of {MLRA_MODES}, got {mode!r}")
-        if split not in ("in", "out"):
-            raise ValueError(f"split must be 'in' or 'out', got {split!r}")
-        self.in_features = in_features
-        self.out_features = out_features
-        self.rank = rank
-        self.mode = mode
-        self.num_heads = num_heads
-        self.split = split
-        if mode == "shared":
-            self.down = nn.Linear(in_features, rank, bias=False)
-            self.up = nn.Linear(rank, out_features, bias=bias)
-        elif split == "out":
-            if out_features % num_heads:
-                raise ValueError(f"out_features {out_features} not divisible by {num_heads} heads")
-            self.down = nn.Linear(in_features, num_heads * rank, bias=False)
-            self.up = HeadwiseLinear(num_heads, rank, out_features // num_heads, bias=bias)
-        else:
-            if in_features % num_heads:
-                raise ValueError(f"in_features {in_features} not divisible by {num_heads} heads")
-            self.down = HeadwiseLinear(num_heads, in_features // num_heads, rank, bias=False)
-            self.up = nn.Linear(num_heads * rank, out_features, bias=bias)
-        self.reset_parameters("gpt2")
-
-    @property
-    def bias(self) -> Optional[Tensor]:
-        return self.up.bias
-
-    @property
-    def latent_features(self) -> int:
-        return self.down.out_features
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.up(self.down(x))
-
-    def effective_weight(self) -> Tensor:
-        """The dense [out_features, in_features] matrix W = U D with forward(x) = x W^T + b."""
-        if self.mode == "shared":
-            return self.up.weight @ self.down.weight
-        if self.split == "out":
-            d = self.down.weight.view(self.num_heads, self.rank, self.in_features)
-            return torch.bmm(self.up.weight, d).reshape(self.out_features, self.in_features)
-        u = self.up.weight.view(self.out_features, self.num_heads, self.rank).transpose(0, 1)
-        w = torch.bmm(u, self.down.weight)  # H x d_out x d_h
-        return w.transpose(0, 1).reshape(self.out_features, self.in_features)
-
-    @torch.no_grad()
-    def reset_parameters(self, init: str = "gpt2", dense_std: Optional[float] = None):
-        """gpt2: U, D ~ N(0, 0.02). matched: sqrt(r) sigma_U sigma_D = dense_std (spec §3.3),
-        with a variance-preserving sigma_D = fan_in^-1/2 and sigma_U = dense_std sqrt(fan_in / r)."""
-        if init == "gpt2":
-            std_d = std_u = GPT2_INIT_STD
-        elif init == "matched":
-            if dense_std is None:
-                raise ValueError("matched init needs the dense baseline's std")
-            fan_in = self.in_features if not (self.mode == "per_head" and self.split == "in") else (
-                self.in_features // self.num_heads
-            )
-            std_d = fan_in ** -0.5
-            std_u = dense_std * math.sqrt(fan_in / self.rank)
-        else:
-            raise ValueError(f"--mlra-init must be one of {MLRA_INITS}, got {init!r}")
-        nn.init.normal_(self.down.weight, std=std_d)
-        nn.init.normal_(self.up.weight, std=std_u)
-        if self.up.bias is not None:
-            nn.init.zeros_(self.up.bias)
-
-    def extra_repr(self):
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
-            f"mode={self.mode}, num_heads={self.num_heads}, split={self.split}"
-        )
-
-
-def xavier_std(fan_in: int, fan_out: int, gain: float = 1.0) -> float:
-    """Std of nn.init.xavier_uniform_: gain * sqrt(2 / (fan_in + fan_out))."""
-    return gain * math.sqrt(2.0 / (fan_in + fan_out))
-
-
-def default_rank(mode: str, embed_dim: int, num_heads: int) -> int:
-    """Spec §9: d/4 in shared mode, d_h/2 per head (both at least 1)."""
-    if mode == "shared":
-        return max(1, embed_dim // 4)
-    return max(1, (embed_dim // num_heads) // 2)
-
-
-def max_rank(mode: str, embed_dim: int, num_heads: int) -> int:
-    """Largest useful rank: d (shared) or d_h (per head; a dense head block already has rank d_h)."""
-    return embed_dim if mode == "shared" else embed_dim // num_heads
-
-
-def break_even_rank(mode: str, embed_dim: int, num_heads: int) -> float:
-    """The rank at which a factorised d x d projection has as many weights as the dense one."""
-    if mode == "shared":
-        return embed_dim / 2
-    head_dim = embed_dim // num_heads
-    return embed_dim * head_dim / (embed_dim + head_dim)
-
-
-def parse_targets(targets) -> Tuple[str, ...]:
-    """'q,k,v' -> ('q', 'k', 'v'); unknown names raise an error that names --mlra-targets."""
-    if isinstance(targets, str):
-        items = [t.strip().lower() for t in targets.split(",") if t.strip()]
-    else:
-        items = [str(t).strip().lower() for t in targets]
-    bad = [t for t in items if t not in MLRA_TARGETS]
-    if bad or not items:
-        raise ValueError(
-            f"--mlra-targets must be a non-empty comma-separated subset of "
-            f"{','.join(MLRA_TARGETS)}; got {targets!r}"
-        )
-    return tuple(t for t in MLRA_TARGETS if t in items)
-
-
-def resolve_rank(rank: Optional[int], mode: str, embed_dim: int, num_heads: int,
-                 where: str = "attention") -> int:
-    """Returns the rank to use; raises a clear error naming --attention-rank when out of range."""
-    if mode not in MLRA_MODES:
-        raise ValueError(f"--mlra-mode must be one of {','.join(MLRA_MODES)}; got {mode!r}")
-    if rank is None:
-        return default_rank(mode, embed_dim, num_heads)
-    hi = max_rank(mode, embed_dim, num_heads)
-    if isinstance(rank, bool) or int(rank) != rank or not 1 <= rank <= hi:
-        what = "the embedding dim" if mode == "shared" else "the head dim"
-        raise ValueError(
-            f"--attention-rank {rank} is out of range for the {where} (embed dim {embed_dim}, "
-            f"{num_heads} heads) with --mlra-mode {mode}: it must satisfy 1 <= r <= {hi} ({what})"
-        )
-    return int(rank)
+IncrementalState = Dict[str, Dict[str, Optional[Tensor]]]
 
 
 def mha_param_count(embed_dim: int, kdim: Optional[int] = None, vdim: Optional[int] = None,
@@ -290,57 +39,40 @@ def mha_param_count(embed_dim: int, kdim: Optional[int] = None, vdim: Optional[i
     return n + (2 * embed_dim if add_bias_kv else 0)
 
 
-def low_rank_param_count(d_in: int, d_out: int, rank: int, mode: str, num_heads: int,
-                         split: str = "out", bias: bool = True) -> int:
-    """Weights of one factorised projection (spec §3.3): shared r (d_in + d_out);
-    per head H r (d_in + d_h) for Q/K/V (split out), H r (d_h + d_out) for O (split in)."""
-    b = d_out if bias else 0
-    if mode == "shared":
-        return rank * (d_in + d_out) + b
-    if split == "out":
-        return num_heads * rank * (d_in + d_out // num_heads) + b
-    return num_heads * rank * (d_in // num_heads + d_out) + b
-
-
-# ----------------------------------------------------------------------------------------------
-# The attention module
-# ----------------------------------------------------------------------------------------------
+def mlra_param_count(embed_dim: int, num_heads: int, rank: int, mode: str, targets: Sequence[str],
+                     kdim: Optional[int] = None, vdim: Optional[int] = None) -> int:
+    """Parameters of one MultiheadLowRankAttention (with biases, without bias_k/v): the factorised
+    targets by :func:`low_rank_param_count`, the others dense (docs/mlra.md, "Parameter counts")."""
+    d_in = {"q": embed_dim, "k": kdim or embed_dim, "v": vdim or embed_dim, "o": embed_dim}
+    n = 0
+    for target, width in d_in.items():
+        if target in targets:
+            split = "in" if target == "o" else "out"
+            n += low_rank_param_count(width, embed_dim, rank, mode, num_heads, split)
+        else:
+            n += width * embed_dim + embed_dim
+    return n
 
 
 class MultiheadLowRankAttention(FairseqIncrementalDecoder):
     """Drop-in for ``fairseq.modules.MultiheadAttention`` with low-rank Q/K/V(/O) projections.
 
-    Same constructor arguments as MultiheadAttention plus ``rank``, ``mode``, ``init`` and
-    ``targets``; the same ``forward`` signature and return values (``attn`` T x B x C and the
-    weights: B x T x S averaged over heads, H x B x T x S with ``need_head_weights``, or the raw
-    scores and values with ``before_softmax``); the same incremental state ("attn_state" with
-    prev_key / prev_value of shape B x H x S x d_h, and prev_key_padding_mask), so fairseq's
-    beam search and its cache reorder work unchanged. Every path goes through the factorised
-    projections: there is no dense fast path (spec §3.4).
+    Same constructor arguments as MultiheadAttention plus ``rank``, ``mode``, ``init``,
+    ``targets`` (the MLRA flags, validated by :class:`~fairseq_agg.models.mlra_options.MLRAOptions`)
+    and ``where`` (named in errors); the same ``forward`` signature and return values (``attn``
+    T x B x C and the weights: B x T x S averaged over heads, H x B x T x S with
+    ``need_head_weights``, or the raw scores and values with ``before_softmax``); the same
+    incremental state ("attn_state" with prev_key / prev_value of shape B x H x S x d_h, and
+    prev_key_padding_mask), so fairseq's beam search and its cache reorder work unchanged. Every
+    path goes through the factorised projections: there is no dense fast path.
     """
 
-    def __init__(
-        self,
-        embed_dim,
-        num_heads,
-        kdim=None,
-        vdim=None,
-        dropout=0.0,
-        bias=True,
-        add_bias_kv=False,
-        add_zero_attn=False,
-        self_attention=False,
-        encoder_decoder_attention=False,
-        dictionary=None,
-        q_noise=0.0,
-        qn_block_size=8,
-        xformers_att_config: Optional[str] = None,
-        rank: Optional[int] = None,
-        mode: str = "shared",
-        init: str = "gpt2",
-        targets: Sequence[str] = ("q", "k", "v"),
-        where: str = "attention",
-    ):
+    def __init__(self, embed_dim, num_heads, kdim=None, vdim=None, dropout=0.0, bias=True,
+                 add_bias_kv=False, add_zero_attn=False, self_attention=False,
+                 encoder_decoder_attention=False, dictionary=None, q_noise=0.0, qn_block_size=8,
+                 xformers_att_config: Optional[str] = None, rank: Optional[int] = None,
+                 mode: str = "shared", init: str = "gpt2", targets: Sequence[str] = ("q", "k", "v"),
+                 where: str = "attention"):
         super().__init__(dictionary)
         if xformers_att_config is not None:
             raise ValueError("MLRA attention does not support --*-xformers-att-config")
@@ -359,33 +91,20 @@ class MultiheadLowRankAttention(FairseqIncrementalDecoder):
             "Self-attention requires query, key and value to be of the same size"
         )
 
-        self.mode = mode
-        self.init = init
-        self.targets = parse_targets(targets)
-        self.rank = resolve_rank(rank, mode, embed_dim, num_heads, where)
-        if init not in MLRA_INITS:
-            raise ValueError(f"--mlra-init must be one of {','.join(MLRA_INITS)}; got {init!r}")
-        if q_noise > 0 and mode == "per_head":
+        options = MLRAOptions(rank=rank, mode=mode, init=init, targets=targets)
+        self.mode, self.init, self.targets = options.mode, options.init, options.targets
+        self.rank = options.rank_for(embed_dim, num_heads, where)
+        if q_noise > 0 and self.mode == "per_head":
             raise ValueError(
                 "--quant-noise-pq > 0 is not supported with --mlra-mode per_head; "
                 "use --mlra-mode shared or --quant-noise-pq 0"
             )
         self.use_bias = bias
         self.q_noise = q_noise
-
-        def proj(name, d_in, d_out, split):
-            if name in self.targets:
-                p = LowRankLinear(d_in, d_out, self.rank, mode, num_heads, split, bias)
-                if q_noise > 0:
-                    p.down = quant_noise(p.down, q_noise, qn_block_size)
-                    p.up = quant_noise(p.up, q_noise, qn_block_size)
-                return p
-            return quant_noise(nn.Linear(d_in, d_out, bias=bias), q_noise, qn_block_size)
-
-        self.k_proj = proj("k", self.kdim, embed_dim, "out")
-        self.v_proj = proj("v", self.vdim, embed_dim, "out")
-        self.q_proj = proj("q", embed_dim, embed_dim, "out")
-        self.out_proj = proj("o", embed_dim, embed_dim, "in")
+        self.k_proj = self._build_projection("k", self.kdim, "out", qn_block_size)
+        self.v_proj = self._build_projection("v", self.vdim, "out", qn_block_size)
+        self.q_proj = self._build_projection("q", embed_dim, "out", qn_block_size)
+        self.out_proj = self._build_projection("o", embed_dim, "in", qn_block_size)
 
         if add_bias_kv:
             self.bias_k = nn.Parameter(torch.Tensor(1, 1, embed_dim))
@@ -403,6 +122,18 @@ class MultiheadLowRankAttention(FairseqIncrementalDecoder):
         self._fused_cache: Dict[int, Tuple[tuple, Tensor]] = {}
         self.reset_parameters()
         self.init_incremental_state()
+
+    def _build_projection(self, target: str, d_in: int, split: str, qn_block_size: int) -> nn.Module:
+        """A LowRankLinear when ``target`` is factorised, else MultiheadAttention's dense Linear;
+        quant-noise (if any) wraps every linear map, as in MultiheadAttention."""
+        d_out, q_noise = self.embed_dim, self.q_noise
+        if target not in self.targets:
+            return quant_noise(nn.Linear(d_in, d_out, bias=self.use_bias), q_noise, qn_block_size)
+        p = LowRankLinear(d_in, d_out, self.rank, self.mode, self.num_heads, split, self.use_bias)
+        if q_noise > 0:
+            p.down = quant_noise(p.down, q_noise, qn_block_size)
+            p.up = quant_noise(p.up, q_noise, qn_block_size)
+        return p
 
     # -- bookkeeping shared with fairseq's MultiheadAttention ------------------------------------
     # The cache layout is MultiheadAttention's, so its cache helpers are reused as they are.
@@ -451,13 +182,107 @@ class MultiheadLowRankAttention(FairseqIncrementalDecoder):
                                self.bias_k is not None)
 
     def extra_repr(self):
-        return f"{_NAME}: rank={self.rank}, mode={self.mode}, init={self.init}, targets={','.join(self.targets)}"
+        return (f"{METHOD_NAME}: rank={self.rank}, mode={self.mode}, init={self.init}, "
+                f"targets={','.join(self.targets)}")
 
-    # -- projections ------------------------------------------------------------------------------
+    # -- forward ----------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Optional[Tensor],
+        value: Optional[Tensor],
+        key_padding_mask: Optional[Tensor] = None,
+        incremental_state: Optional[IncrementalState] = None,
+        need_weights: bool = True,
+        static_kv: bool = False,
+        attn_mask: Optional[Tensor] = None,
+        before_softmax: bool = False,
+        need_head_weights: bool = False,
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        """Input shape: Time x Batch x Channel; arguments and returns as MultiheadAttention.forward.
+
+        The steps: project Q/K/V through the factors; add bias_k/v; split heads; merge with the
+        cache; add the zero-attention slot; fold beams that share encoder K/V; attend (SDPA, or
+        explicitly when weights are requested); unfold, merge heads and project out.
+        """
+        need_weights = need_weights or need_head_weights
+        tgt_len, bsz, embed_dim = query.size()
+        if not self.skip_embed_dim_check:
+            assert embed_dim == self.embed_dim, f"query dim {embed_dim} != {self.embed_dim}"
+        assert key is None or value is not None
+        saved_state = None
+        if incremental_state is not None:
+            saved_state = self._get_input_buffer(incremental_state)
+            if saved_state is not None and "prev_key" in saved_state and static_kv:
+                # cached encoder keys/values: nothing to project again
+                assert self.encoder_decoder_attention and not self.self_attention
+                key = value = None
+
+        q, k, v, key_padding_mask = self._project(query, key, value, key_padding_mask)
+        if self.bias_k is not None:
+            k, v, key_padding_mask, attn_mask = self._append_bias_kv(k, v, key_padding_mask, attn_mask)
+        q, k, v = self._split_heads(q), self._split_heads(k), self._split_heads(v)
+        if saved_state is not None:
+            assert incremental_state is not None
+            k, v, key_padding_mask = self._merge_cache(
+                incremental_state, saved_state, k, v, key_padding_mask, static_kv)
+        assert k is not None and v is not None
+        if key_padding_mask is not None and key_padding_mask.dim() == 0:
+            key_padding_mask = None
+        if key_padding_mask is not None:
+            assert key_padding_mask.size(0) == k.size(0) and key_padding_mask.size(1) == k.size(2)
+        if self.add_zero_attn:
+            k, v, key_padding_mask, attn_mask = self._append_zero_attn(k, v, key_padding_mask, attn_mask)
+
+        beams = bsz // k.size(0)
+        q, attn_mask = self._fold_beams(q, attn_mask, beams)
+        if before_softmax:
+            # raw scores (B*H x T x S) and values (B*H x S x d_h), as MultiheadAttention
+            scores = self._unfold_beams(self._scores(q, k, attn_mask, key_padding_mask), beams, tgt_len)
+            src_len = k.size(2)
+            return scores.reshape(bsz * self.num_heads, tgt_len, src_len), v.reshape(-1, src_len, self.head_dim)
+        if need_weights:
+            out, probs = self._explicit_attention(q, k, v, attn_mask, key_padding_mask)
+        else:
+            out, probs = self._sdpa(q, k, v, attn_mask, key_padding_mask, beams), None
+        out = self._unfold_beams(out, beams, tgt_len)  # B x H x T x d_h
+        out = self.out_proj(out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.embed_dim))
+        if probs is None:
+            return out, None
+        probs = self._unfold_beams(probs, beams, tgt_len).transpose(1, 0)  # H x B x T x S
+        return out, probs if need_head_weights else probs.mean(dim=0)
+
+    # -- forward steps ------------------------------------------------------------------------------
+
+    def _project(self, query: Tensor, key: Optional[Tensor], value: Optional[Tensor],
+                 key_padding_mask: Optional[Tensor]):
+        """Q, K, V (T/S x B x C) through the projections; K and V are None when the cache holds
+        them. In beam search, encoder-decoder attention keeps one K/V copy per sentence (the
+        beams of a sentence share the encoder output), as MultiheadAttention does."""
+        if self.self_attention:
+            q, k, v = self._project_group(query, [self.q_proj, self.k_proj, self.v_proj])
+            return q, k, v, key_padding_mask
+        q = self.q_proj(query)
+        if key is None:
+            assert self.encoder_decoder_attention and value is None
+            return q, None, None, key_padding_mask
+        assert value is not None
+        if self.encoder_decoder_attention and self.beam_size > 1 and query.size(1) == key.size(1):
+            # key is [S, bsz*beam, C]: every beam of a sentence shares it, keep one copy
+            key = key.view(key.size(0), -1, self.beam_size, key.size(2))[:, :, 0, :]
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.view(
+                    -1, self.beam_size, key_padding_mask.size(1))[:, 0, :]
+        if self.encoder_decoder_attention or key is value:
+            k, v = self._project_group(key, [self.k_proj, self.v_proj])
+        else:
+            k, v = self.k_proj(key), self.v_proj(value)
+        return q, k, v, key_padding_mask
 
     def _project_group(self, x: Tensor, projs: List[nn.Module]) -> List[Tensor]:
         """Applies several projections to the same input, running their down-projections as one
-        fused GEMM (d_in -> sum of latent dims; spec §3.3) when more than one is low-rank."""
+        fused GEMM (d_in -> sum of latent dims) when more than one is low-rank."""
         low = [p for p in projs if isinstance(p, LowRankLinear)]
         if not self._fuse or len(low) < 2:
             return [p(x) for p in projs]
@@ -466,7 +291,7 @@ class MultiheadLowRankAttention(FairseqIncrementalDecoder):
         lat = {id(p): zi for p, zi in zip(low, z)}
         return [p.up(lat[id(p)]) if id(p) in lat else p(x) for p in projs]
 
-    def _fused_down(self, low: List["LowRankLinear"]) -> Tensor:
+    def _fused_down(self, low: List[LowRankLinear]) -> Tensor:
         """The concatenated down-projection weights. Without autograd (inference, decoding) the
         concatenation is cached until a weight changes (checked through the version counters),
         so that a decoding step does not copy the weights each time."""
@@ -479,6 +304,117 @@ class MultiheadLowRankAttention(FairseqIncrementalDecoder):
             cached = (key, torch.cat(ws, dim=0))
             self._fused_cache[len(ws)] = cached
         return cached[1]
+
+    def _append_bias_kv(self, k: Optional[Tensor], v: Optional[Tensor], key_padding_mask: Optional[Tensor],
+                        attn_mask: Optional[Tensor]):
+        """add_bias_kv: one learned key / value appended to every sequence (T x B x C layout)."""
+        assert self.bias_k is not None and self.bias_v is not None and k is not None and v is not None
+        k = torch.cat([k, self.bias_k.repeat(1, k.size(1), 1)])
+        v = torch.cat([v, self.bias_v.repeat(1, v.size(1), 1)])
+        key_padding_mask, attn_mask = self._pad_masks(key_padding_mask, attn_mask)
+        return k, v, key_padding_mask, attn_mask
+
+    def _append_zero_attn(self, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor],
+                          attn_mask: Optional[Tensor]):
+        """add_zero_attn: a zero key / value slot after the cache (B x H x S x d_h layout)."""
+        zeros = k.new_zeros(k.shape[:2] + (1, self.head_dim))
+        k, v = torch.cat([k, zeros], dim=2), torch.cat([v, zeros], dim=2)
+        key_padding_mask, attn_mask = self._pad_masks(key_padding_mask, attn_mask)
+        return k, v, key_padding_mask, attn_mask
+
+    def _split_heads(self, x: Optional[Tensor]) -> Optional[Tensor]:
+        """T x B x C -> B x H x T x d_h: the layout of the cache and of SDPA."""
+        if x is None:
+            return None
+        return x.contiguous().view(x.size(0), x.size(1), self.num_heads, self.head_dim).permute(1, 2, 0, 3)
+
+    def _merge_cache(self, incremental_state: IncrementalState, saved_state: Dict[str, Optional[Tensor]],
+                     k: Optional[Tensor], v: Optional[Tensor], key_padding_mask: Optional[Tensor],
+                     static_kv: bool) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        """Prepends the cached K/V (static encoder K/V replace them) and stores the result, in
+        MultiheadAttention's layout."""
+        if "prev_key" in saved_state:
+            prev_key = saved_state["prev_key"]
+            assert prev_key is not None
+            k = prev_key if static_kv else torch.cat([prev_key, k], dim=2)
+        if "prev_value" in saved_state:
+            prev_value = saved_state["prev_value"]
+            assert prev_value is not None and k is not None and prev_value.size(0) == k.size(0)
+            v = prev_value if static_kv else torch.cat([prev_value, v], dim=2)
+        assert k is not None and v is not None
+        key_padding_mask = self._append_prev_key_padding_mask(
+            key_padding_mask=key_padding_mask,
+            prev_key_padding_mask=saved_state.get("prev_key_padding_mask"),
+            batch_size=k.size(0),
+            src_len=k.size(2),
+            static_kv=static_kv,
+        )
+        saved_state["prev_key"] = k
+        saved_state["prev_value"] = v
+        saved_state["prev_key_padding_mask"] = key_padding_mask
+        self._set_input_buffer(incremental_state, saved_state)
+        return k, v, key_padding_mask
+
+    def _fold_beams(self, q: Tensor, attn_mask: Optional[Tensor], beams: int):
+        """Encoder-decoder attention in beam search keeps one K/V per sentence: the beams of a
+        sentence are folded into the query length, [B*beams, H, T, d_h] -> [B, H, beams*T, d_h],
+        so that every beam attends to its sentence's single K/V copy."""
+        if beams == 1:
+            return q, attn_mask
+        kv_bsz, _, tgt_len, _ = q.shape
+        kv_bsz //= beams
+        q = q.reshape(kv_bsz, beams, self.num_heads, tgt_len, self.head_dim).transpose(1, 2)
+        q = q.reshape(kv_bsz, self.num_heads, beams * tgt_len, self.head_dim)
+        if attn_mask is not None:
+            attn_mask = attn_mask.repeat(beams, 1)
+        return q, attn_mask
+
+    @staticmethod
+    def _unfold_beams(x: Tensor, beams: int, tgt_len: int) -> Tensor:
+        """Inverse of :meth:`_fold_beams`: [B, H, beams*T, *] -> [B*beams, H, T, *]."""
+        if beams == 1:
+            return x
+        kv_bsz, heads, last = x.size(0), x.size(1), x.size(-1)
+        x = x.reshape(kv_bsz, heads, beams, tgt_len, last).transpose(1, 2)
+        return x.reshape(kv_bsz * beams, heads, tgt_len, last)
+
+    # -- attention ---------------------------------------------------------------------------------
+
+    def _dropout_p(self) -> float:
+        m = self.dropout_module
+        return m.p if (self.training or m.apply_during_inference) else 0.0
+
+    def _sdpa(self, q, k, v, attn_mask, key_padding_mask, beams):
+        is_causal = (
+            attn_mask is not None and key_padding_mask is None and beams == 1
+            and q.size(2) == k.size(2) and self._is_causal_mask(attn_mask)
+        )
+        # is_causal lets the fused (flash) kernels run without materialising a mask
+        mask = None if is_causal else self._combined_mask(attn_mask, key_padding_mask, k.size(0), q.dtype)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self._dropout_p(), is_causal=is_causal,
+            scale=self.scaling,
+        )
+
+    def _scores(self, q, k, attn_mask, key_padding_mask) -> Tensor:
+        """Masked attention scores q k^T / sqrt(d_h), [B, H, T, S]."""
+        scores = torch.matmul(q * self.scaling, k.transpose(-1, -2))
+        if attn_mask is not None:
+            if attn_mask.dtype in (torch.bool, torch.uint8):
+                scores = scores.masked_fill(attn_mask.to(torch.bool), float("-inf"))
+            else:
+                scores = scores + attn_mask.to(scores.dtype)
+        if key_padding_mask is not None:
+            scores = scores.masked_fill(
+                key_padding_mask.to(torch.bool).view(k.size(0), 1, 1, -1), float("-inf"))
+        return scores
+
+    def _explicit_attention(self, q, k, v, attn_mask, key_padding_mask):
+        """Scores, fp32 softmax and dropout spelled out, for need_weights: (output, fp32 probs)."""
+        scores = self._scores(q, k, attn_mask, key_padding_mask)
+        probs_float = F.softmax(scores, dim=-1, dtype=torch.float32)
+        probs = self.dropout_module(probs_float.type_as(scores))
+        return torch.matmul(probs, v), probs_float
 
     # -- masks ------------------------------------------------------------------------------------
 
@@ -524,191 +460,3 @@ class MultiheadLowRankAttention(FairseqIncrementalDecoder):
         if kpm is not None:
             m = m.masked_fill(kpm, float("-inf"))
         return m
-
-    # -- forward ----------------------------------------------------------------------------------
-
-    def forward(
-        self,
-        query: Tensor,
-        key: Optional[Tensor],
-        value: Optional[Tensor],
-        key_padding_mask: Optional[Tensor] = None,
-        incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
-        need_weights: bool = True,
-        static_kv: bool = False,
-        attn_mask: Optional[Tensor] = None,
-        before_softmax: bool = False,
-        need_head_weights: bool = False,
-    ) -> Tuple[Tensor, Optional[Tensor]]:
-        """Input shape: Time x Batch x Channel; arguments as MultiheadAttention.forward."""
-        if need_head_weights:
-            need_weights = True
-        tgt_len, bsz, embed_dim = query.size()
-        src_len = tgt_len
-        if not self.skip_embed_dim_check:
-            assert embed_dim == self.embed_dim, f"query dim {embed_dim} != {self.embed_dim}"
-        if key is not None:
-            src_len, key_bsz, _ = key.size()
-            assert value is not None
-
-        if incremental_state is not None:
-            saved_state = self._get_input_buffer(incremental_state)
-            if saved_state is not None and "prev_key" in saved_state and static_kv:
-                # cached encoder keys/values: nothing to project again
-                assert self.encoder_decoder_attention and not self.self_attention
-                key = value = None
-        else:
-            saved_state = None
-
-        k: Optional[Tensor]
-        v: Optional[Tensor]
-        if self.self_attention:
-            q, k, v = self._project_group(query, [self.q_proj, self.k_proj, self.v_proj])
-        elif self.encoder_decoder_attention:
-            q = self.q_proj(query)
-            if key is None:
-                assert value is None
-                k = v = None
-            else:
-                if self.beam_size > 1 and bsz == key.size(1):
-                    # key is [S, bsz*beam, C]: every beam of a sentence shares it, keep one copy
-                    key = key.view(key.size(0), -1, self.beam_size, key.size(2))[:, :, 0, :]
-                    if key_padding_mask is not None:
-                        key_padding_mask = key_padding_mask.view(
-                            -1, self.beam_size, key_padding_mask.size(1))[:, 0, :]
-                k, v = self._project_group(key, [self.k_proj, self.v_proj])
-        else:
-            assert key is not None and value is not None
-            q = self.q_proj(query)
-            if key is value:
-                k, v = self._project_group(key, [self.k_proj, self.v_proj])
-            else:
-                k, v = self.k_proj(key), self.v_proj(value)
-
-        if self.bias_k is not None:
-            assert self.bias_v is not None and k is not None and v is not None
-            k = torch.cat([k, self.bias_k.repeat(1, k.size(1), 1)])
-            v = torch.cat([v, self.bias_v.repeat(1, v.size(1), 1)])
-            key_padding_mask, attn_mask = self._pad_masks(key_padding_mask, attn_mask)
-
-        H, dh = self.num_heads, self.head_dim
-        # B x H x T x d_h: the layout of the cache and of scaled_dot_product_attention
-        q = q.contiguous().view(tgt_len, bsz, H, dh).permute(1, 2, 0, 3)
-        kv_bsz = bsz
-        if k is not None:
-            kv_bsz = k.size(1)
-            k = k.contiguous().view(-1, kv_bsz, H, dh).permute(1, 2, 0, 3)
-        if v is not None:
-            v = v.contiguous().view(-1, kv_bsz, H, dh).permute(1, 2, 0, 3)
-
-        if saved_state is not None:
-            if "prev_key" in saved_state:
-                prev_key = saved_state["prev_key"]
-                assert prev_key is not None
-                kv_bsz = prev_key.size(0)
-                k = prev_key if static_kv else torch.cat([prev_key, k], dim=2)
-                src_len = k.size(2)
-            if "prev_value" in saved_state:
-                prev_value = saved_state["prev_value"]
-                assert prev_value is not None and prev_value.size(0) == kv_bsz
-                v = prev_value if static_kv else torch.cat([prev_value, v], dim=2)
-            prev_key_padding_mask: Optional[Tensor] = saved_state.get("prev_key_padding_mask")
-            assert k is not None and v is not None
-            key_padding_mask = self._append_prev_key_padding_mask(
-                key_padding_mask=key_padding_mask,
-                prev_key_padding_mask=prev_key_padding_mask,
-                batch_size=kv_bsz,
-                src_len=k.size(2),
-                static_kv=static_kv,
-            )
-            saved_state["prev_key"] = k
-            saved_state["prev_value"] = v
-            saved_state["prev_key_padding_mask"] = key_padding_mask
-            assert incremental_state is not None
-            incremental_state = self._set_input_buffer(incremental_state, saved_state)
-        assert k is not None and v is not None
-        src_len = k.size(2)
-
-        if key_padding_mask is not None and key_padding_mask.dim() == 0:
-            key_padding_mask = None
-        if key_padding_mask is not None:
-            assert key_padding_mask.size(0) == kv_bsz and key_padding_mask.size(1) == src_len
-
-        if self.add_zero_attn:
-            zeros = k.new_zeros(k.shape[:2] + (1, dh))
-            k = torch.cat([k, zeros], dim=2)
-            v = torch.cat([v, zeros], dim=2)
-            key_padding_mask, attn_mask = self._pad_masks(key_padding_mask, attn_mask)
-            src_len += 1
-
-        # enc-dec attention with beam search shares K/V per sentence: fold the beams into the
-        # query length so that every beam attends to its sentence's single K/V copy
-        beams = bsz // kv_bsz
-        if beams > 1:
-            q = q.reshape(kv_bsz, beams, H, tgt_len, dh).transpose(1, 2)
-            q = q.reshape(kv_bsz, H, beams * tgt_len, dh)
-            if attn_mask is not None:
-                attn_mask = attn_mask.repeat(beams, 1)
-
-        if before_softmax or need_weights:
-            out, w = self._explicit_attention(q, k, v, attn_mask, key_padding_mask, kv_bsz,
-                                              before_softmax)
-            if before_softmax:
-                # raw scores (B*H x T x S) and values (B*H x S x d_h), as MultiheadAttention
-                w = self._unfold(w, kv_bsz, beams, tgt_len).reshape(bsz * H, tgt_len, src_len)
-                return w, v.reshape(kv_bsz * H, src_len, dh)
-        else:
-            out = self._sdpa(q, k, v, attn_mask, key_padding_mask, kv_bsz, tgt_len, src_len, beams)
-            w = None
-
-        out = self._unfold(out, kv_bsz, beams, tgt_len)  # B x H x T x d_h
-        out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, self.embed_dim)
-        out = self.out_proj(out)
-
-        attn_weights: Optional[Tensor] = None
-        if need_weights and w is not None:
-            w = self._unfold(w, kv_bsz, beams, tgt_len).transpose(1, 0)  # H x B x T x S
-            attn_weights = w if need_head_weights else w.mean(dim=0)
-        return out, attn_weights
-
-    @staticmethod
-    def _unfold(x: Tensor, kv_bsz: int, beams: int, tgt_len: int) -> Tensor:
-        """Inverse of the beam folding: [kv_bsz, H, beams*T, *] -> [kv_bsz*beams, H, T, *]."""
-        if beams == 1:
-            return x
-        H, last = x.size(1), x.size(-1)
-        x = x.reshape(kv_bsz, H, beams, tgt_len, last).transpose(1, 2)
-        return x.reshape(kv_bsz * beams, H, tgt_len, last)
-
-    def _dropout_p(self) -> float:
-        m = self.dropout_module
-        return m.p if (self.training or m.apply_during_inference) else 0.0
-
-    def _sdpa(self, q, k, v, attn_mask, key_padding_mask, kv_bsz, tgt_len, src_len, beams):
-        is_causal = (
-            attn_mask is not None and key_padding_mask is None and beams == 1
-            and tgt_len == src_len and self._is_causal_mask(attn_mask)
-        )
-        # is_causal lets the fused (flash) kernels run without materialising a mask
-        mask = None if is_causal else self._combined_mask(attn_mask, key_padding_mask, kv_bsz, q.dtype)
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self._dropout_p(), is_causal=is_causal,
-            scale=self.scaling,
-        )
-
-    def _explicit_attention(self, q, k, v, attn_mask, key_padding_mask, kv_bsz, before_softmax):
-        """Scores, fp32 softmax and dropout spelled out, for need_weights / before_softmax."""
-        scores = torch.matmul(q * self.scaling, k.transpose(-1, -2))  # B x H x T x S
-        if attn_mask is not None:
-            if attn_mask.dtype in (torch.bool, torch.uint8):
-                scores = scores.masked_fill(attn_mask.to(torch.bool), float("-inf"))
-            else:
-                scores = scores + attn_mask.to(scores.dtype)
-        if key_padding_mask is not None:
-            scores = scores.masked_fill(
-                key_padding_mask.to(torch.bool).view(kv_bsz, 1, 1, -1), float("-inf"))
-        if before_softmax:
-            return None, scores
-        probs_float = F.softmax(scores, dim=-1, dtype=torch.float32)
-        probs = self.dropout_module(probs_float.type_as(scores))
-        return torch.matmul(probs, v), probs_float

@@ -1,71 +1,39 @@
-"""Fused output projection + (label-smoothed) cross-entropy, with AGG gating and the augmented loss.
+"""The fused, chunked output layer: ``softmax(H W^T)`` and its (label-smoothed) cross-entropy.
 
-One chunked autograd Function serves every criterion of this package:
+One autograd Function serves every criterion of this package. It is generic; the two methods plug
+into it through the objects they pass:
 
-* plain CE / label-smoothed CE (fairseq's convention: the target gets 1 - eps, every other entry
-  eps / (V - 1); ``label_smoothed_nll_loss`` in fairseq/criterions/label_smoothed_cross_entropy.py);
-* AGG (Yu et al., ACL 2022): the output-embedding gradient of the CE part is gated per
-  (context, token) entry; the hidden-state gradient is not (spec agg.md §5.1);
-* the augmented loss of Inan et al. (ICLR 2017, eq. 3.2-3.3): ``coef * KL(teacher || softmax(z / tau))``
-  per token, with a detached, per-type teacher (spec augmented_loss.md §5, §8.8).
+* label smoothing in fairseq's convention: the target gets 1 - eps, every other entry
+  eps / (V - 1) (``label_smoothed_nll_loss`` in fairseq/criterions/label_smoothed_cross_entropy.py);
+* ``gates`` (AGG, :class:`fairseq_agg.ops.agg_gates.TokenGates`): gates the cross-entropy part of
+  the output-embedding gradient; the hidden-state gradient is never gated (docs/agg.md (A6));
+* ``teacher`` (augmented loss, :class:`fairseq_agg.ops.augmented.TeacherTargets`): adds
+  ``coef * KL(teacher || softmax(z / tau))`` per token (Inan et al., ICLR 2017, eq. 3.2-3.3;
+  docs/augmented_loss.md);
+* ``row_weights`` (FACE, :class:`fairseq_agg.ops.face.FaceWeights`): one weight per token on its
+  (smoothed) cross-entropy and therefore on its row of the logit gradient; gets the row's argmax
+  when it asks for it (docs/baselines.md, "FACE");
+* ``penalty`` (token-level unlikelihood, :class:`fairseq_agg.ops.unlikelihood.UnlikelihoodCandidates`):
+  adds ``alpha * sum_c -log(1 - p_c)`` over a few candidate columns per token, whose logit gradient
+  is a change of the softmax's row scale plus a scatter at those columns (docs/baselines.md, "UL");
+* ``frozen_rows`` (rare-token freezing, :func:`fairseq_agg.ops.agg_gates.frozen_rare_rows`): rows of
+  the output-embedding gradient set to zero after the chunk loop (docs/baselines.md).
 
 The logits ``Z = H W^T`` are computed once, chunk by chunk over the tokens; in the same pass the
 gradients ``dH = G W`` and ``dW = G_w^T H`` are formed and only they are kept, so no N x V tensor
-outlives a chunk (the fused linear-cross-entropy pattern, spec agg.md §5.3). Backward only scales the
-saved gradients by the incoming gradient. Softmax and all loss arithmetic run in fp32 whatever the
-dtype of H and W; the matmuls run in the model dtype.
+outlives a chunk (the fused linear-cross-entropy pattern; docs/agg.md, "How it is computed").
+Backward only scales the saved gradients by the incoming gradient. Softmax and all loss arithmetic
+run in fp32 whatever the dtype of H and W; the matmuls run in the model dtype.
 """
-from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-
-@dataclass
-class TokenGates:
-    """AGG gate vectors (length V each) for one micro-batch; see :func:`fairseq_agg.ops.rare_tokens.agg_gates`.
-
-    ``g1`` scales the gradient of token k's logit in contexts whose target is not rare, ``g2`` in
-    contexts whose target is rare; the target's own column is never gated.
-    """
-
-    g1: torch.Tensor
-    g2: torch.Tensor
-    rare: torch.Tensor  # bool
-
-
-@dataclass
-class TeacherTargets:
-    """Augmented-loss teacher (Inan et al. eq. 3.7) for the unique targets of a batch.
-
-    ``probs[u]`` is softmax(E e_u / tau) for the u-th unique target type (fp32, detached),
-    ``entropy[u]`` its entropy, and ``index[n]`` the row of ``probs`` for token n.
-    ``coef`` is alpha * scale(tau); ``gate_with_agg`` also applies the AGG gates to the AL part of dW.
-    """
-
-    probs: torch.Tensor
-    entropy: torch.Tensor
-    index: torch.Tensor
-    tau: float
-    coef: float
-    gate_with_agg: bool = False
-
-
-def _gate_rows_(grad, target, gates, rare_target_rows):
-    """In-place AGG gating of a chunk's logit gradient (spec agg.md §4.2, §5.3).
-
-    Rows with a non-rare target are scaled by g1 (g1 = 1 outside the rare group, so only rare
-    columns change and the target column is untouched); rows with a rare target by g2, except in
-    their own target column.
-    """
-    if rare_target_rows.numel():
-        rare_rows = grad.index_select(0, rare_target_rows)
-        keep = rare_rows.gather(1, target.index_select(0, rare_target_rows).unsqueeze(1))
-        rare_rows.mul_(gates.g2.unsqueeze(0))
-        rare_rows.scatter_(1, target.index_select(0, rare_target_rows).unsqueeze(1), keep)
-    grad.mul_(gates.g1.unsqueeze(0))
-    if rare_target_rows.numel():
-        grad.index_copy_(0, rare_target_rows, rare_rows)
+if TYPE_CHECKING:  # the method modules import this one, not the other way round
+    from .agg_gates import TokenGates
+    from .augmented import TeacherTargets
+    from .face import FaceWeights
+    from .unlikelihood import UnlikelihoodCandidates
 
 
 def _matmul_into(out, a, b, accumulate=False):
@@ -89,49 +57,66 @@ def _matmul_into(out, a, b, accumulate=False):
 _CPU_BLOCK_BYTES = 1 << 22
 
 
-def _block_rows(device, vocab, dtype, chunk_rows):
+def block_rows(device, vocab, dtype, chunk_rows):
+    """Rows of a V-wide block of element-wise work (see ``_CPU_BLOCK_BYTES``)."""
     if device.type != "cpu":
         return chunk_rows
     size = torch.empty((), dtype=dtype).element_size()
     return max(1, min(chunk_rows, _CPU_BLOCK_BYTES // (vocab * size)))
 
 
-def _row_dot(a, b):
+def row_dot(a, b):
     """sum_i a[n, i] b[n, i] per row, without an element-wise product tensor."""
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
 
 
+def loss_dtype(*tensors) -> torch.dtype:
+    """fp32 at least for softmax and loss arithmetic (fp16/bf16 inputs), float64 for float64 inputs."""
+    dtype = torch.float32
+    for tensor in tensors:
+        dtype = torch.promote_types(dtype, tensor.dtype)
+    return dtype
+
+
+def check_output_layer_inputs(hidden, weight, target, chunk_size):
+    """One clear error for inputs of the wrong shape or a chunk size below 1."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.size(1) != weight.size(1):
+        raise ValueError(f"expected hidden (N, d) and weight (V, d), got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if target.shape != hidden.shape[:1]:
+        raise ValueError(f"target must have shape ({hidden.size(0)},), got {tuple(target.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+
+
 class _FusedLinearLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, epsilon, gates, teacher, chunk_size, compute_grad):
+    def forward(ctx, hidden, weight, target, epsilon, gates, teacher, row_weights, penalty, frozen_rows,
+                chunk_size, compute_grad):
         n_rows, _ = hidden.shape
         vocab = weight.size(0)
         eps_i = epsilon / (vocab - 1) if epsilon > 0 else 0.0
         target_weight = 1.0 - epsilon - eps_i  # fairseq: loss = (1-eps-eps_i)*nll + eps_i*smooth
         needs_grad = compute_grad and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
 
-        # loss arithmetic in fp32 at least (fp16/bf16 inputs), in float64 for float64 inputs
-        acc = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
+        acc = loss_dtype(hidden, weight)
         opts = dict(dtype=acc, device=hidden.device)
         grad_hidden = torch.empty(hidden.shape, **opts) if needs_grad else None
         grad_weight = torch.zeros(weight.shape, **opts) if needs_grad else None
         loss = torch.zeros((), **opts)
         nll_sum = torch.zeros((), **opts)
         aug_sum = torch.zeros((), **opts)
-        rare_of_target = gates.rare.index_select(0, target) if gates is not None else None
 
         # Work buffers reused by every chunk, and every step below in place: on a CPU each fresh
         # chunk x V tensor costs more (page faults) than the arithmetic done on it.
         rows = min(chunk_size, n_rows)
-        block = _block_rows(hidden.device, vocab, acc, rows)
+        block = block_rows(hidden.device, vocab, acc, rows)
         logits_buf = torch.empty((rows, vocab), **opts)
-        # the AL gradient is kept apart from the CE one only when AGG gates the CE part alone (§8.8)
+        # The augmented-loss gradient is kept apart from the CE one only when AGG gates the CE part
+        # alone (docs/augmented_loss.md, "Combination with AGG").
         separate_aug = teacher is not None and needs_grad and gates is not None and not teacher.gate_with_agg
         if teacher is not None:
             tempered_buf = torch.empty((rows if separate_aug else block, vocab), **opts)
-            teacher_rows = torch.empty((block, vocab), **opts)
-            inv_tau = 1.0 / teacher.tau
-            aug_scale = teacher.coef * inv_tau  # coef * d KL / d z = coef * (softmax(z/tau) - t) / tau  (§4)
+            teacher_buf = torch.empty((block, vocab), **opts)
         weight_t = weight.t()
 
         for start in range(0, n_rows, chunk_size):
@@ -145,25 +130,21 @@ class _FusedLinearLoss(torch.autograd.Function):
                 z = z_chunk[b - start : e - start]
                 y = target[b:e]
                 target_logit = z.gather(1, y.unsqueeze(1)).squeeze(1)
-                row_max = z.amax(dim=1, keepdim=True)
+                predicted = None
+                if row_weights is not None and row_weights.needs_argmax:
+                    row_max, predicted = z.max(dim=1, keepdim=True)  # the argmax in the same pass
+                    predicted = predicted.squeeze(1)
+                else:
+                    row_max = z.amax(dim=1, keepdim=True)
+                row_weight = None
+                if row_weights is not None:
+                    row_weight = row_weights.block_row_weight(y, predicted, slice(b, e), n_rows).to(acc)
                 logit_sum = z.sum(dim=-1) if eps_i > 0 else None
 
-                if teacher is not None:
-                    index = teacher.index[b:e]
-                    t = teacher_rows[: e - b]
-                    if teacher.probs.dtype == acc:
-                        torch.index_select(teacher.probs, 0, index, out=t)
-                    else:
-                        t.copy_(teacher.probs.index_select(0, index))
-                    teacher_dot = _row_dot(t, z)  # t . z, before z is overwritten
-                    # q = exp((z - max z) / tau): max(z / tau) = max(z) / tau, so one row max serves both
+                if teacher is not None:  # before z is overwritten
+                    t = teacher_buf[: e - b]
                     q = tempered_buf[b - start : e - start] if separate_aug else tempered_buf[: e - b]
-                    torch.add(row_max * -inv_tau, z, alpha=inv_tau, out=q)
-                    q.exp_()
-                    q_sum = q.sum(dim=-1)
-                    lse_tau = row_max.squeeze(1) * inv_tau + q_sum.log()
-                    # KL(t || softmax(z/tau)) = lse(z/tau) - t.z/tau - H(t)   (augmented_loss.md §5, Trick 2)
-                    kl = lse_tau - teacher_dot * inv_tau - teacher.entropy.index_select(0, index)
+                    kl, q_sum = teacher.block_kl(z, row_max, slice(b, e), t, q)
                     aug_sum += kl.sum()
                     loss += teacher.coef * kl.sum()
 
@@ -174,21 +155,39 @@ class _FusedLinearLoss(torch.autograd.Function):
                 nll_sum += nll.sum()
                 if eps_i > 0:
                     smooth = vocab * lse - logit_sum  # sum_k -log p_k
-                    loss += (target_weight * nll + eps_i * smooth).sum()
+                    ce = target_weight * nll + eps_i * smooth
                 else:
-                    loss += nll.sum()
+                    ce = nll
+                loss += ce.sum() if row_weight is None else row_weight.dot(ce)
+                if penalty is not None:  # from exp(z - max z), before it is overwritten
+                    penalty_value, penalty_rate, candidates, candidate_grad = penalty.block_terms(
+                        z, z_sum, slice(b, e), y
+                    )
+                    loss += penalty.alpha * penalty_value.sum()
                 if not needs_grad:
                     continue
 
-                # G = softmax(Z) - Q with Q = (1-eps-eps_i) onehot + eps_i, in place on the logits
-                z.mul_(z_sum.reciprocal().unsqueeze(1))
+                # G = w (softmax(Z) - Q) with Q = (1-eps-eps_i) onehot + eps_i and w the row weight
+                # (1 without), in place on the logits; a penalty moves the softmax's row scale and
+                # adds its own columns
+                if row_weight is None and penalty is None:
+                    z.mul_(z_sum.reciprocal().unsqueeze(1))
+                else:
+                    scale = torch.ones_like(z_sum) if row_weight is None else row_weight
+                    if penalty is not None:
+                        scale = scale - penalty.alpha * penalty_rate
+                    z.mul_((scale / z_sum).unsqueeze(1))
                 if eps_i > 0:
-                    z.sub_(eps_i)
-                z.scatter_add_(
-                    1, y.unsqueeze(1), torch.full((e - b, 1), -target_weight, dtype=z.dtype, device=z.device)
-                )
+                    z.sub_(eps_i if row_weight is None else (eps_i * row_weight).unsqueeze(1))
+                if row_weight is None:
+                    target_grad = torch.full((e - b, 1), -target_weight, dtype=z.dtype, device=z.device)
+                else:
+                    target_grad = (-target_weight * row_weight).unsqueeze(1)
+                z.scatter_add_(1, y.unsqueeze(1), target_grad)
+                if penalty is not None:
+                    z.scatter_add_(1, candidates, candidate_grad.mul_(penalty.alpha))
                 if teacher is not None:
-                    q.mul_((aug_scale / q_sum).unsqueeze(1)).sub_(t, alpha=aug_scale)
+                    teacher.block_grad_(q, q_sum, t)
                     if not separate_aug:
                         z.add_(q)  # one gradient for dH and dW
 
@@ -198,20 +197,20 @@ class _FusedLinearLoss(torch.autograd.Function):
             if not separate_aug:
                 _matmul_into(grad_hidden[start:stop], grad, weight)  # hidden states: un-gated
             else:
-                # dH from the un-gated total, dW from the gated CE part plus the un-gated AL part
-                # (augmented_loss.md §8.8): the AL buffer holds the total for the matmul, then G is
-                # taken back out of it
+                # dH from the un-gated total, dW from the gated CE part plus the un-gated AL part:
+                # the AL buffer holds the total for the matmul, then G is taken back out of it
                 aug_grad = tempered_buf[: stop - start]
                 aug_grad.add_(grad)
                 _matmul_into(grad_hidden[start:stop], aug_grad, weight)
                 aug_grad.sub_(grad)
             if gates is not None:
-                y = target[start:stop]
-                _gate_rows_(grad, y, gates, rare_of_target[start:stop].nonzero().squeeze(1))
+                gates.gate_logit_grad_(grad, target[start:stop])
             if separate_aug:
                 grad.add_(aug_grad)
             _matmul_into(grad_weight, grad.t(), h, accumulate=True)
 
+        if needs_grad and frozen_rows is not None:
+            grad_weight.masked_fill_(frozen_rows.unsqueeze(1), 0.0)  # all terms: the rows never move
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.input_dtypes = (hidden.dtype, weight.dtype)
         ctx.mark_non_differentiable(nll_sum, aug_sum)
@@ -225,7 +224,7 @@ class _FusedLinearLoss(torch.autograd.Function):
             raise RuntimeError("fused_linear_loss was called without gradient tracking; it cannot be backpropagated")
         out_h = (grad_hidden * grad_loss).to(hidden_dtype) if ctx.needs_input_grad[0] else None
         out_w = (grad_weight * grad_loss).to(weight_dtype) if ctx.needs_input_grad[1] else None
-        return out_h, out_w, None, None, None, None, None, None
+        return out_h, out_w, None, None, None, None, None, None, None, None, None
 
 
 def fused_linear_loss(
@@ -233,8 +232,11 @@ def fused_linear_loss(
     weight: torch.Tensor,
     target: torch.Tensor,
     epsilon: float = 0.0,
-    gates: Optional[TokenGates] = None,
-    teacher: Optional[TeacherTargets] = None,
+    gates: Optional["TokenGates"] = None,
+    teacher: Optional["TeacherTargets"] = None,
+    row_weights: Optional["FaceWeights"] = None,
+    penalty: Optional["UnlikelihoodCandidates"] = None,
+    frozen_rows: Optional[torch.Tensor] = None,
     chunk_size: int = 2048,
 ):
     """Summed loss of ``softmax(hidden @ weight.T)`` against ``target``.
@@ -246,22 +248,26 @@ def fused_linear_loss(
         epsilon: label smoothing in fairseq's convention, 0 <= epsilon < 1.
         gates: AGG gates; ``None`` = ungated (plain CE).
         teacher: augmented-loss teacher; ``None`` = no augmented loss.
+        row_weights: FACE's per-token weights on the cross-entropy; ``None`` = all 1.
+        penalty: unlikelihood candidates (their ``alpha`` included); ``None`` = no penalty. Its
+            summed value (before alpha) is accumulated in the object.
+        frozen_rows: (V,) bool; those rows of the output-embedding gradient are zero.
         chunk_size: tokens per chunk; peak extra memory is O(chunk_size x V).
 
     Returns:
         ``(loss, nll, aug_kl)``: the differentiable summed loss (CE part + coef * KL), the summed
         NLL (for logging, no gradient) and the summed KL before ``coef`` (no gradient).
     """
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.size(1) != weight.size(1):
-        raise ValueError(f"expected hidden (N, d) and weight (V, d), got {tuple(hidden.shape)} and {tuple(weight.shape)}")
-    if target.shape != hidden.shape[:1]:
-        raise ValueError(f"target must have shape ({hidden.size(0)},), got {tuple(target.shape)}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    check_output_layer_inputs(hidden, weight, target, chunk_size)
     if teacher is not None and teacher.index.shape != target.shape:
         raise ValueError("teacher.index must have one entry per target")
+    if penalty is not None and penalty.position.shape != target.shape:
+        raise ValueError("the unlikelihood candidates must have one position per target")
+    if frozen_rows is not None and (frozen_rows.dtype != torch.bool or frozen_rows.shape != weight.shape[:1]):
+        raise ValueError(f"frozen_rows must be a bool mask of shape ({weight.size(0)},)")
     # Under torch.no_grad (validation) the gradients are not formed at all.
     compute_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _FusedLinearLoss.apply(
-        hidden, weight, target, float(epsilon), gates, teacher, int(chunk_size), compute_grad
+        hidden, weight, target, float(epsilon), gates, teacher, row_weights, penalty, frozen_rows,
+        int(chunk_size), compute_grad,
     )

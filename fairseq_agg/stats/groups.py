@@ -1,40 +1,37 @@
-"""Frequency groups and row selection for a fairseq dictionary (spec ``agg.md`` §8.2, §13).
+"""Frequency groups and row policies for a fairseq dictionary (see docs/stats.md, "Metrics").
 
-fairseq's ``Dictionary.finalize`` sorts the types by training-count after the ``nspecial``
+fairseq's ``Dictionary.finalize`` sorts the types by training count after the ``nspecial``
 special symbols (``<s>``, ``<pad>``, ``</s>``, ``<unk>`` and any extra specials), so dictionary
 order is frequency order. ``fairseq-preprocess`` then pads the vocabulary to a multiple of 8
-with never-seen ``madeupwordNNNN`` types, which are never trained.
+with never-seen ``madeupwordNNNN`` types, which are never trained. Which ids are special or
+``madeupword`` is read from :mod:`fairseq_agg.fairseq_hooks`.
 
 Groups (names ``freq``, ``med``, ``rare``):
 
-* by fractions (default 30 % / 50 % / 20 %, the AGG paper's split) of the *eligible* types,
-  i.e. the non-special, non-``madeupword`` ones in dictionary order; the boundaries are
-  ``round(f1·n)`` and ``round((f1+f2)·n)`` for n eligible types;
-* preset ``wikitext103-official``: the official AGG evaluation's id ranges
-  [0, 13000), [13000, 36000), [36000, V), specials included, to reproduce it exactly.
+* by fractions (default 30 % / 50 % / 20 %, the split of Yu et al. 2022, Table 1) of the
+  *eligible* types, i.e. the non-special, non-``madeupword`` ones in dictionary order; the
+  boundaries are ``round(f1·n)`` and ``round((f1+f2)·n)`` for n eligible types;
+* preset ``wikitext103-official``: the id ranges [0, 13000), [13000, 36000), [36000, V) of the
+  authors' released WikiText-103 evaluation, specials included, to reproduce it exactly.
 
 Row policies for matrix statistics: ``all``; ``no-pad-madeup`` (default: drops the zero-initialised
 padding row and the ``madeupword`` rows); ``no-special`` (also drops every special symbol).
 
-Only the dictionary's ``symbols``, ``count``, ``nspecial`` and ``pad()`` are used (duck typing), so
-this module does not import fairseq.
+Only the dictionary's ``symbols``, ``count``, ``nspecial`` and ``pad()`` are used (duck typing).
 """
 import math
-import re
 from collections import OrderedDict
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
+from fairseq_agg.fairseq_hooks import madeupword_ids, nspecial, pad_index, special_ids
+
 GROUP_NAMES = ("freq", "med", "rare")
 DEFAULT_FRACTIONS = (0.3, 0.5, 0.2)
-# preset name -> (first medium id, first rare id); from the official evaluation (agg.md §8.2)
+# preset name -> (first medium id, first rare id)
 PRESETS = {"wikitext103-official": (13000, 36000)}
 ROW_POLICIES = ("all", "no-pad-madeup", "no-special")
-_MADEUP_RE = re.compile(r"^madeupword\d{4}$")
-# fairseq's default layout when no dictionary is at hand: <s>, <pad>, </s>, <unk>
-FAIRSEQ_NSPECIAL = 4
-FAIRSEQ_PAD = 1
 
 
 def parse_fractions(value, flag: str = "--embed-group-fractions") -> Tuple[float, float, float]:
@@ -49,27 +46,6 @@ def parse_fractions(value, flag: str = "--embed-group-fractions") -> Tuple[float
             f"{flag}: expected three fractions in [0, 1] (frequent, medium, rare) that sum to 1, got {value!r}"
         )
     return fr
-
-
-def _nspecial(dictionary) -> int:
-    return FAIRSEQ_NSPECIAL if dictionary is None else int(dictionary.nspecial)
-
-
-def _pad(dictionary) -> int:
-    return FAIRSEQ_PAD if dictionary is None else int(dictionary.pad())
-
-
-def madeupword_ids(dictionary):
-    """Ids of fairseq's vocabulary-padding types (``madeupword0000`` ...)."""
-    if dictionary is None:
-        return []
-    ns = _nspecial(dictionary)
-    return [i for i, s in enumerate(dictionary.symbols) if i >= ns and _MADEUP_RE.match(s)]
-
-
-def special_ids(dictionary):
-    """Ids of the special symbols: the first ``nspecial`` entries and the padding symbol."""
-    return sorted(set(range(_nspecial(dictionary))) | {_pad(dictionary)})
 
 
 def _size(dictionary, num_rows):
@@ -87,13 +63,13 @@ def row_mask(
     policy: str = "no-pad-madeup",
     exclude_unseen: bool = False,
     num_rows: Optional[int] = None,
-    pad_index: Optional[int] = None,
+    padding_idx: Optional[int] = None,
 ) -> torch.Tensor:
     """Boolean [V] mask of the rows a matrix statistic uses (see the module docstring).
 
     ``exclude_unseen`` also drops non-special types whose dictionary count is 0 (never seen in the
     data the dictionary was built from). Without a dictionary, fairseq's default layout is assumed
-    (4 specials, padding id 1, or ``pad_index``) and no ``madeupword`` row can be recognised.
+    (4 specials, padding id 1, or ``padding_idx``) and no ``madeupword`` row can be recognised.
     """
     if policy not in ROW_POLICIES:
         raise ValueError(f"row policy must be one of {', '.join(ROW_POLICIES)}, got {policy!r}")
@@ -101,22 +77,22 @@ def row_mask(
     mask = torch.ones(V, dtype=torch.bool)
     if policy == "all":
         return mask
-    pad = _pad(dictionary) if pad_index is None else pad_index
+    pad = pad_index(dictionary) if padding_idx is None else padding_idx
     if 0 <= pad < V:
         mask[pad] = False
     mask[madeupword_ids(dictionary)] = False
     if policy == "no-special":
         mask[[i for i in special_ids(dictionary) if i < V]] = False
     if exclude_unseen and dictionary is not None:
-        ns = _nspecial(dictionary)
-        unseen = [i for i, c in enumerate(dictionary.count) if i >= ns and c == 0]
+        first = nspecial(dictionary)
+        unseen = [i for i, c in enumerate(dictionary.count) if i >= first and c == 0]
         mask[unseen] = False
     return mask
 
 
-def select_rows(dictionary=None, policy="no-pad-madeup", exclude_unseen=False, num_rows=None, pad_index=None):
+def select_rows(dictionary=None, policy="no-pad-madeup", exclude_unseen=False, num_rows=None, padding_idx=None):
     """Row ids (LongTensor) selected by :func:`row_mask`."""
-    return row_mask(dictionary, policy, exclude_unseen, num_rows, pad_index).nonzero().reshape(-1)
+    return row_mask(dictionary, policy, exclude_unseen, num_rows, padding_idx).nonzero().reshape(-1)
 
 
 def eligible_ids(dictionary=None, num_rows: Optional[int] = None) -> torch.Tensor:

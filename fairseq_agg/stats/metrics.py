@@ -1,22 +1,23 @@
-"""Token-embedding statistics as pure torch functions (no fairseq import).
+"""Token-embedding statistics as pure torch functions (formulas and precision: docs/stats.md).
 
 Every function takes an embedding matrix ``W`` of shape ``[V, d]`` (any dtype, any device) and an
 optional 1-D index tensor ``rows`` selecting the rows to use. Rows are processed in chunks, so no
 full-size float64 copy of ``W`` and no ``V x V`` matrix is ever built; low-precision weights are
 upcast chunk by chunk.
 
-* :func:`tev_stats` - token embedding variability (Chung et al., 2024, §2.1; spec
-  ``tev_mlra.md`` §2): TEV_i is the population std of row i over its d coordinates, in fp32;
+* :func:`tev_stats` - token embedding variability (Chung et al., EMNLP 2024, §2 "Pre-training
+  Stability Proxy"): TEV_i is the population std of row i over its d coordinates, in fp32;
   µTEV / σTEV are its mean and population std over the rows.
 * :func:`isotropy` - I(W) = min_c Z(c) / max_c Z(c), Z(c) = Σ_i exp(cᵀw_i), C = unit eigenvectors
-  of WᵀW (Mu & Viswanath 2018; spec ``agg.md`` §8.1), float64 and log-sum-exp. The eigenvector
-  sign is arbitrary, so the headline value is the sign-symmetric form over C ∪ −C; the form as
-  returned by the eigensolver ("raw") and the sign-fixed form (cᵀ·mean(W) ≥ 0) are also given.
+  of WᵀW (Mu & Viswanath, ICLR 2018; the isotropy of Yu et al., ACL 2022, Table 1), float64 and
+  log-sum-exp. The eigenvector sign is arbitrary, so the headline value is the sign-symmetric form
+  over C ∪ −C; the form as returned by the eigensolver ("raw") and the sign-fixed form
+  (cᵀ·mean(W) ≥ 0) are also given.
 * :func:`mean_pairwise_cosine` - mean over i ≠ j of cos(w_i, w_j) = (‖Σŵ_i‖² − Σ‖ŵ_i‖²) / (n(n−1))
-  (spec ``agg.md`` §8.8), exact and O(V·d).
+  (the quantity CosReg of Gao et al., ICLR 2019, regularises), exact and O(V·d).
 * :func:`embedding_spectrum` - singular values and right-singular directions (float64).
-* :func:`group_nll_sums` / :func:`perplexity` - per-frequency-group token NLL sums for PPL by group
-  (spec ``agg.md`` §8.3).
+
+Per-group perplexity is in :mod:`fairseq_agg.stats.perplexity`.
 """
 import math
 from typing import Dict, NamedTuple, Optional
@@ -24,6 +25,8 @@ from typing import Dict, NamedTuple, Optional
 import torch
 
 DEFAULT_CHUNK_ROWS = 8192
+# the three forms :func:`isotropy` returns
+ISOTROPY_FORMS = ("isotropy", "isotropy_raw", "isotropy_fixed")
 
 
 def _check_matrix(W: torch.Tensor) -> None:
@@ -85,7 +88,7 @@ def tev_stats(
     init_std: Optional[float] = None,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
 ) -> Dict[str, float]:
-    """µTEV, σTEV and µTEV / (init_std · scale) of the selected rows (spec tev_mlra.md §2.4).
+    """µTEV, σTEV and µTEV / (init_std · scale) of the selected rows.
 
     ``scale`` multiplies the weights first (an embedding multiplier such as fairseq's
     ``embed_scale``, to get the TEV of the *effective* embedding). ``init_std`` defaults to
@@ -155,7 +158,7 @@ def isotropy(
     spectrum: Optional[Spectrum] = None,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
 ) -> Dict[str, float]:
-    """Isotropy I(W) in three forms (spec agg.md §8.1), float64 and log-sum-exp.
+    """Isotropy I(W) in three forms (see the module docstring), float64 and log-sum-exp.
 
     ``directions`` ([k, d], rows = unit vectors) replaces the eigenvectors of WᵀW; with repeated
     eigenvalues the eigenbasis is not unique, so tests pass the basis they reason about.
@@ -200,7 +203,7 @@ def isotropy(
 def mean_pairwise_cosine(
     W: torch.Tensor, rows: Optional[torch.Tensor] = None, chunk_rows: int = DEFAULT_CHUNK_ROWS
 ) -> float:
-    """Mean of cos(w_i, w_j) over ordered pairs i ≠ j, exact, without a V×V matrix (agg.md §8.8).
+    """Mean of cos(w_i, w_j) over ordered pairs i ≠ j, exact, without a V×V matrix.
 
     With unit rows ŵ_i and s = Σ ŵ_i: Σ_{i≠j} ŵ_iᵀŵ_j = ‖s‖² − Σ‖ŵ_i‖². A zero row (fairseq's
     padding row) has no direction; it counts as cosine 0 with every other row.
@@ -218,32 +221,3 @@ def mean_pairwise_cosine(
         s += unit.sum(0)
         sq += (unit * unit).sum()
     return ((s @ s - sq) / (n * (n - 1))).item()
-
-
-def group_nll_sums(
-    nll: torch.Tensor, target: torch.Tensor, group_of_token: torch.Tensor, num_groups: int
-):
-    """Per-group sums of token NLL and token counts.
-
-    ``nll`` and ``target`` are 1-D (padding already removed); ``group_of_token`` is a [V] long
-    tensor mapping a token id to its group (``-1``: in no group). Returns float64 ``(sums, counts)``
-    of shape [num_groups]; the caller adds them over batches.
-    """
-    nll = nll.reshape(-1).double()
-    target = target.reshape(-1)
-    if nll.numel() != target.numel():
-        raise ValueError("nll and target must have the same number of tokens")
-    g = group_of_token.to(target.device)[target]
-    keep = g >= 0
-    g = g[keep]
-    sums = torch.zeros(num_groups, dtype=torch.float64, device=nll.device)
-    sums.index_add_(0, g, nll[keep])
-    counts = torch.bincount(g, minlength=num_groups).double()
-    return sums, counts
-
-
-def perplexity(nll_sum: float, count: float) -> Optional[float]:
-    """exp(mean NLL in nats) = 2^(mean base-2 loss), fairseq's ``ppl``; None without tokens."""
-    if count <= 0:
-        return None
-    return math.exp(nll_sum / count)

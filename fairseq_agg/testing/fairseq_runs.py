@@ -12,8 +12,8 @@ import sys
 import pytest
 
 BIN_DIR = os.path.dirname(sys.executable)
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-USER_DIR = os.path.join(REPO, "fairseq_agg")
+# The plugin's --user-dir: this package, wherever it is installed.
+USER_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_config(data, base_args, extra):
@@ -53,6 +53,27 @@ def non_pad_features(model, sample, pad):
     target = model.get_targets(sample, None).reshape(-1)
     keep = target.ne(pad)
     return features.reshape(-1, features.size(-1))[keep], target[keep]
+
+
+def first_batch(task, split="train", max_tokens=512):
+    """The first batch of ``split`` in fairseq's own (unshuffled) batching."""
+    itr = task.get_batch_iterator(
+        dataset=task.dataset(split), max_tokens=max_tokens, seed=1, epoch=1, num_workers=0
+    ).next_epoch_itr(shuffle=False)
+    return next(itr)
+
+
+def padded_batch(task, split="train", size=12):
+    """Up to ``size`` examples of different target lengths, collated by the dataset's own collater
+    (so the batch has target padding)."""
+    dataset = task.dataset(split)
+    lengths = getattr(dataset, "tgt_sizes", None)  # translation; a language-model dataset has sizes
+    if lengths is None:
+        lengths = dataset.sizes
+    by_length = {}
+    for i in range(len(dataset)):
+        by_length.setdefault(int(lengths[i]), i)
+    return dataset.collater([dataset[i] for i in list(by_length.values())[:size]])
 
 
 def fairseq_bin(name):

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Text-preparation helpers shared by the example pipelines (WMT14 En-De, WikiText-103, demos).
 
-Usable from shell scripts as ``python scripts/textprep.py COMMAND ...`` and from Python by
-importing this file. Every command streams line by line, so large corpora need little memory.
+The shell recipes run it as ``python examples/textprep.py COMMAND ...`` (it imports nothing from
+this repository, so it runs from any directory); Python code imports it as
+``from examples import textprep`` from the repository root. Every command streams line by line,
+so large corpora need little memory.
 
 Commands:
   spm-train       train a sentencepiece model (joint over several files)
@@ -69,7 +71,8 @@ def spm_train(inputs, model_prefix, vocab_size, model_type="bpe", character_cove
     return model_prefix + ".model"
 
 
-def _processor(model):
+def spm_processor(model):
+    """The sentencepiece model at ``model``, loaded."""
     import sentencepiece as spm
 
     if not os.path.isfile(model):
@@ -78,7 +81,7 @@ def _processor(model):
 
 
 def spm_encode(model, inputs, outputs):
-    sp = _processor(model)
+    sp = spm_processor(model)
     if len(inputs) != len(outputs):
         _die("spm-encode needs as many --outputs as --inputs")
     for src, dst in zip(inputs, outputs):
@@ -89,7 +92,7 @@ def spm_encode(model, inputs, outputs):
 
 
 def spm_decode(model, inp, out):
-    sp = _processor(model)
+    sp = spm_processor(model)
     with _open(inp) as fin, _open(out, "w") as fout:
         for line in fin:
             pieces = line.split()

@@ -1,0 +1,423 @@
+"""What the two offline demos share (the LM demo ``examples.demo.run`` and the MT demo
+``examples.demo_mt.run``): their command line, the cache of prepared data, fairseq's console
+scripts run side by side with their log lines streamed to the terminal, the check of which plugin
+methods are registered, and the result tables.
+
+Each demo describes itself with a :class:`Demo` (methods, model, budget, training flags, time
+estimates) and keeps only what is its own: its corpus, its evaluation and its table.
+"""
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+USER_DIR = os.path.join(REPO, "fairseq_agg")
+BIN_DIR = os.path.dirname(sys.executable)
+# Both demos prepare one corpus for both modes; the output layer dominates the cost of such small
+# models, so the vocabulary is what keeps the default budget under 15 minutes.
+VOCAB = 4000
+
+
+class DataUnavailable(RuntimeError):
+    """A demo's corpus cannot be fetched or read on this machine (the message says why)."""
+
+
+def sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def say(msg=""):
+    print(msg, flush=True)
+
+
+def minutes(seconds):
+    return f"{seconds / 60:.1f} min"
+
+
+def write_json(path, obj):
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
+
+
+# ---------------------------------------------------------------------------- the command line
+
+
+def build_parser(prog, doc, methods, default_methods, work_dir, cache_dir, quick_help):
+    """The options both demos take; each demo adds those of its corpus."""
+    p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.add_argument("--methods", nargs="+", default=list(default_methods), choices=list(methods),
+                   help=f"methods to train (default: {' '.join(default_methods)})")
+    p.add_argument("--seeds", nargs="+", type=int, default=[1], help="one run per method and seed (default: 1)")
+    p.add_argument("--updates", type=int, help="updates per run (overrides the budget)")
+    p.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)),
+                   help="fairseq-train runs at a time (default: min(2, cores))")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads per run (default 1: for models this small, one thread per core "
+                        "beats several threads per run, by far so on a busy machine)")
+    p.add_argument("--work-dir", default=work_dir, help="data, checkpoints and results")
+    p.add_argument("--cache-dir", default=cache_dir, help="where the downloaded corpus is kept")
+    p.add_argument("--vocab-size", type=int, default=VOCAB,
+                   help=f"sentencepiece vocabulary (default {VOCAB}; smaller for tiny test corpora)")
+    p.add_argument("--prepare-only", action="store_true", help="stop after fairseq-preprocess")
+    p.add_argument("--cpu", action="store_true", help="train on the CPU even if a GPU is present")
+    return p
+
+
+def check_args(p, a):
+    """Rejects bad values of the shared options before anything is written."""
+    if a.updates is not None and a.updates < 1:
+        p.error(f"--updates must be >= 1, got {a.updates}")
+    if a.threads < 1:
+        p.error(f"--threads must be >= 1, got {a.threads}")
+    if a.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {a.jobs}")
+    if a.vocab_size < 50:
+        p.error(f"--vocab-size must be >= 50, got {a.vocab_size}")
+    if len(set(a.seeds)) != len(a.seeds):
+        p.error("--seeds must be distinct")
+    if any(s < 0 for s in a.seeds):
+        p.error("--seeds must be >= 0")
+
+
+# ---------------------------------------------------------------------------- running fairseq
+
+
+def console_script(name):
+    path = os.path.join(BIN_DIR, name)
+    if not os.path.exists(path):
+        raise SystemExit(f"{name} not found next to {sys.executable}: run scripts/setup_env.sh first")
+    return path
+
+
+def child_env(threads):
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["MKL_NUM_THREADS"] = str(threads)
+    env["PYTHONUNBUFFERED"] = "1"
+    # fairseq pickles its legacy config (argparse.Namespace) into checkpoints, which torch >= 2.6
+    # refuses to load with its weights_only default; these are checkpoints this demo just wrote.
+    env.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    return env
+
+
+# fairseq's own lines are shown as they come; these noisy library warnings are only logged.
+_QUIET = re.compile(r"(Warning|warnings\.warn|deprecation_warning|^\s*$|^\s+super\(\)|^\s+state = torch.load)")
+
+
+def run_logged(cmd, log_path, prefix, env, show=True):
+    """Runs a command, echoing its merged stdout/stderr with a prefix and saving it to log_path.
+
+    Returns (returncode, output lines, wall seconds).
+    """
+    t0 = time.time()
+    lines = []
+    with open(log_path, "w", encoding="utf-8") as log:
+        log.write(" ".join(cmd) + "\n")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                cwd=REPO, bufsize=1)
+        for line in proc.stdout:
+            log.write(line)
+            log.flush()
+            line = line.rstrip("\n")
+            lines.append(line)
+            if show and not _QUIET.search(line):
+                print(f"{prefix}{line}", flush=True)
+        proc.wait()
+    return proc.returncode, lines, time.time() - t0
+
+
+def preprocess(flags, log_dir, env, show=True):
+    """fairseq-preprocess FLAGS, logged to LOG_DIR/preprocess.log; stops the demo if it fails."""
+    rc, _, _ = run_logged([console_script("fairseq-preprocess"), *flags], os.path.join(log_dir, "preprocess.log"),
+                          "[preprocess] ", env, show=show)
+    if rc != 0:
+        raise SystemExit(f"fairseq-preprocess failed; see {log_dir}/preprocess.log")
+
+
+def registered_methods(methods):
+    """{name: None if usable else the reason}; methods map to dicts with 'criterion' and 'arch'."""
+    import fairseq_agg  # noqa: F401  (registers the plugin)
+    from fairseq.criterions import CRITERION_REGISTRY
+    from fairseq.models import ARCH_MODEL_REGISTRY
+
+    out = {}
+    for name, m in methods.items():
+        reason = None
+        if m["criterion"] not in CRITERION_REGISTRY:
+            reason = f"criterion '{m['criterion']}' is not registered in this build of the plugin"
+        elif m["arch"] not in ARCH_MODEL_REGISTRY:
+            reason = f"architecture '{m['arch']}' is not registered in this build of the plugin"
+        out[name] = reason
+    return out
+
+
+_KV = re.compile(r"(\w+)=([-+\w.]+)")
+
+
+def last_train_stats(lines):
+    """key -> value of the last fairseq 'train' (or train_inner) line of a --log-format simple run."""
+    stats = {}
+    for line in lines:
+        if "| train |" in line or "| train_inner |" in line or re.search(r"\bepoch \d+ \|", line):
+            kv = dict(_KV.findall(line))
+            if kv:
+                stats = kv
+    return stats
+
+
+def train_curve(lines, key="loss"):
+    """[(num_updates, value)] from the train_inner lines (for the comparison figure)."""
+    pts = []
+    for line in lines:
+        if "train_inner" not in line:
+            continue
+        kv = dict(_KV.findall(line))
+        if key in kv and "num_updates" in kv:
+            try:
+                pts.append((int(kv["num_updates"]), float(kv[key])))
+            except ValueError:
+                pass
+    return pts
+
+
+def done_seconds(lines):
+    for line in reversed(lines):
+        m = re.search(r"done training in ([\d.]+) seconds", line)
+        if m:
+            return float(m.group(1))
+    return None
+
+
+# ---------------------------------------------------------------------------- the demo skeleton
+
+
+@dataclasses.dataclass
+class TrainedRun:
+    """One finished fairseq-train run of a demo."""
+
+    label: str  # METHOD-sSEED
+    method: str
+    seed: int
+    save_dir: str
+    checkpoint: str
+    lines: List[str]  # fairseq's log
+    wall_seconds: float  # of the fairseq-train process
+    train_seconds: float  # fairseq's own training time
+    last_train: Dict[str, str]  # the values of the last train line
+    rare_tokens: Optional[float]  # AGG's rare set at the last update; None for other criteria
+
+
+@dataclasses.dataclass
+class Plan:
+    """What one invocation of a demo does, decided before anything runs."""
+
+    mode: str  # "quick" or "default"
+    budget: dict  # the mode's budget
+    updates: int  # per run
+    env: Dict[str, str]  # of the fairseq processes
+    methods: List[str]  # the requested methods that the plugin registers, in order
+    skipped: Dict[str, str]  # requested methods it does not register, and why
+    lanes: int  # runs at a time
+    runs_dir: str  # WORK_DIR/runs-MODE: a directory per run
+    out_dir: str  # WORK_DIR/results-MODE: tables, figures, results.json
+    t_start: float
+
+
+@dataclasses.dataclass
+class Demo:
+    """What a demo trains and how long that takes; the shared steps read it."""
+
+    tag: str  # the prefix of the demo's own log lines
+    methods: Dict[str, dict]  # name -> criterion, arch, extra args, a description ("what")
+    model: Dict[str, List[str]]  # mode -> architecture flags
+    budget: Dict[str, dict]  # mode -> updates, max_tokens, warmup, ...
+    train_flags: List[str]  # fairseq-train flags every run shares
+    sec_per_update: Dict[str, float]  # measured on the development machine (2 shared cores);
+    sec_per_run: Dict[str, float]  # used only for the up-front time estimate
+    sec_prepare: float
+    sec_after_run: float = 0.0  # per run, after all training (the LM demo's analysis)
+    log_lines_per_run: int = 10  # about this many train_inner lines per run
+
+    def plan(self, a):
+        """The :class:`Plan` of the parsed arguments ``a`` (whose work_dir becomes absolute); prints
+        it and the time it will take."""
+        mode = "quick" if a.quick else "default"
+        budget = self.budget[mode]
+        a.work_dir = os.path.abspath(a.work_dir)
+        updates = a.updates or budget["updates"]
+        env = child_env(a.threads)
+        methods, skipped = self.runnable(a.methods)
+        lanes = self.announce(a, mode, budget, updates, methods)
+        return Plan(mode=mode, budget=budget, updates=updates, env=env, methods=methods, skipped=skipped, lanes=lanes,
+                    runs_dir=os.path.join(a.work_dir, f"runs-{mode}"),
+                    out_dir=os.path.join(a.work_dir, f"results-{mode}"), t_start=time.time())
+
+    def runnable(self, requested):
+        """(the requested methods whose criterion and architecture the plugin registers, in order,
+        {skipped method: why}); says which are skipped; stops when none can run."""
+        status = registered_methods({m: self.methods[m] for m in requested})
+        for m in requested:
+            if status[m] is not None:
+                say(f"[{self.tag}] SKIPPING {m}: {status[m]} (that method's part of the plugin has not landed)")
+        runnable = [m for m in requested if status[m] is None]
+        if not runnable:
+            raise SystemExit(f"[{self.tag}] no method can run: the plugin registers none of the requested "
+                             "criteria/architectures")
+        return runnable, {m: why for m, why in status.items() if why is not None}
+
+    def announce(self, a, mode, budget, updates, methods):
+        """Prints the plan and the time it will take; returns the number of runs at a time."""
+        n_runs = len(methods) * len(a.seeds)
+        lanes = min(a.jobs, n_runs)
+        prepared = os.path.isfile(os.path.join(a.work_dir, "data", "done.json"))
+        est = -(-n_runs // lanes) * (updates * self.sec_per_update[mode] + self.sec_per_run[mode])
+        est += self.sec_after_run * n_runs + (0 if prepared else self.sec_prepare)
+        say(f"[{self.tag}] {mode} budget: {len(methods)} methods x {len(a.seeds)} seed(s) = {n_runs} fairseq-train "
+            f"runs of {updates} updates ({budget['max_tokens']} tokens each), {lanes} at a time, "
+            f"{a.threads} thread(s) each")
+        say(f"[{self.tag}] this will take about {minutes(est)} on 2 CPU cores (measured on the development "
+            "machine); fairseq's own log lines follow")
+        return lanes
+
+    def prepare_data(self, prepare, a, plan):
+        """``prepare(a, env)``, the demo's data preparation; stops with a clear message when the
+        corpus cannot be had on this machine."""
+        try:
+            return prepare(a, plan.env)
+        except DataUnavailable as e:
+            raise SystemExit(f"[{self.tag}] the corpus is not available on this system: {e}")
+
+    def reuse_prepared(self, data_dir, source, vocab):
+        """The stamp of data prepared earlier from the same source and vocabulary, else None (and
+        whatever an earlier, different preparation left is removed)."""
+        stamp = os.path.join(data_dir, "done.json")
+        if os.path.isfile(stamp):
+            with open(stamp) as f:
+                info = json.load(f)
+            if info.get("source") == source and info.get("vocab") == vocab:
+                say(f"[{self.tag}] using the prepared data in {data_dir}")
+                return info
+        shutil.rmtree(data_dir, ignore_errors=True)
+        return None
+
+    def train_command(self, method, data_bin, save_dir, seed, mode, updates, cpu, data_flags=()):
+        m = self.methods[method]
+        budget = self.budget[mode]
+        cmd = [console_script("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--arch", m["arch"],
+               "--criterion", m["criterion"], *m["args"], *self.model[mode], *self.train_flags, *data_flags,
+               "--max-tokens", str(budget["max_tokens"]),
+               "--warmup-updates", str(min(budget["warmup"], max(1, updates // 4))),
+               "--max-update", str(updates), "--seed", str(seed), "--save-dir", save_dir,
+               "--log-interval", str(max(10, updates // self.log_lines_per_run))]
+        if cpu:
+            cmd.append("--cpu")
+        return cmd
+
+    def train(self, a, plan, method, seed, data_bin, data_flags=()):
+        """One fairseq-train run in RUNS_DIR/METHOD-sSEED, its log lines shown with that label.
+        Raises RuntimeError when it fails."""
+        label = f"{method}-s{seed}"
+        save_dir = os.path.join(plan.runs_dir, label)
+        shutil.rmtree(save_dir, ignore_errors=True)
+        os.makedirs(save_dir)
+        say(f"[{self.tag}] === {label}: {self.methods[method]['what']} ===")
+        cmd = self.train_command(method, data_bin, save_dir, seed, plan.mode, plan.updates, a.cpu, data_flags)
+        rc, lines, wall = run_logged(cmd, os.path.join(save_dir, "train.log"), f"[{label}] ", plan.env)
+        ckpt = os.path.join(save_dir, "checkpoint_last.pt")
+        if rc != 0 or not os.path.isfile(ckpt):
+            tail = "\n".join(lines[-20:])
+            raise RuntimeError(f"fairseq-train failed for {label} (log {save_dir}/train.log):\n{tail}")
+        stats = last_train_stats(lines)
+        rare = stats.get("agg_rare")
+        return TrainedRun(label=label, method=method, seed=seed, save_dir=save_dir, checkpoint=ckpt, lines=lines,
+                          wall_seconds=wall, train_seconds=done_seconds(lines) or wall, last_train=stats,
+                          rare_tokens=float(rare) if rare is not None else None)
+
+    def write_results(self, a, plan, info, results, columns, **extra):
+        """Prints the table of ``results`` ({method: [numbers of one seed]}) with ``columns``,
+        writes it to OUT_DIR/table.txt, and every number, the plan and ``extra`` to
+        OUT_DIR/results.json."""
+        headers, rows = result_rows(plan.methods, results, columns)
+        print_table(headers, rows, out=os.path.join(plan.out_dir, "table.txt"))
+        write_json(os.path.join(plan.out_dir, "results.json"), {
+            "mode": plan.mode, "updates": plan.updates, "seeds": a.seeds, "methods": plan.methods,
+            "skipped": plan.skipped, "data": info, "budget": plan.budget, "model": self.model[plan.mode],
+            "results": results, **extra, "markdown": markdown_table(headers, rows),
+            "total_seconds": time.time() - plan.t_start,
+        })
+        say(f"[{self.tag}] table and numbers: {plan.out_dir}/table.txt, {plan.out_dir}/results.json")
+
+    def run_side_by_side(self, one_run, a, plan):
+        """``one_run(method, seed)`` for every seed and method, ``plan.lanes`` at a time
+        (independent runs, one core each; their log lines carry the run's label); the results in
+        that order."""
+        jobs = [(m, s) for s in a.seeds for m in plan.methods]
+        with ThreadPoolExecutor(max_workers=plan.lanes) as pool:
+            try:
+                return list(pool.map(lambda job: one_run(*job), jobs))
+            except RuntimeError as e:
+                raise SystemExit(f"[{self.tag}] {e}")
+
+
+# ---------------------------------------------------------------------------- tables
+
+
+def mean_spread(values):
+    """(mean, half of the range) over seeds; (None, None) without values."""
+    vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    if not vals:
+        return None, None
+    return statistics.fmean(vals), (max(vals) - min(vals)) / 2.0
+
+
+def fmt(values, digits=2):
+    mean, spread = mean_spread(values)
+    if mean is None:
+        return "-"
+    if len([v for v in values if v is not None]) > 1:
+        return f"{mean:.{digits}f}±{spread:.{digits}f}"
+    return f"{mean:.{digits}f}"
+
+
+def result_rows(methods, results, columns):
+    """(headers, rows) of a demo's table: one row per method, a ``fmt`` cell per (key, header,
+    digits) column, over the method's results (one dict per seed)."""
+    headers = ["method"] + [h for _, h, _ in columns]
+    rows = [[m] + [fmt([r.get(k) for r in results[m]], d) for k, _, d in columns] for m in methods]
+    return headers, rows
+
+
+def print_table(headers, rows, out=None):
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
+    sep = "-+-".join("-" * w for w in widths)
+    text = [" | ".join(str(h).ljust(w) for h, w in zip(headers, widths)), sep]
+    for r in rows:
+        text.append(" | ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    s = "\n".join(text)
+    say(s)
+    if out:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(s + "\n")
+    return s
+
+
+def markdown_table(headers, rows):
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)

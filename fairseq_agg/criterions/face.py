@@ -1,0 +1,135 @@
+"""``cross_entropy_face``: frequency-aware cross-entropy, FACE (Jiang et al., WWW 2019, "Improving
+Neural Response Diversity with Frequency-Aware Cross-Entropy Loss").
+
+Each target token's (label-smoothed) cross-entropy is weighted by a weight from running token
+counts (:mod:`fairseq_agg.ops.face`), inside the shared fused output layer: pre-weighting (the
+default) from the counts alone, post-weighting from the counts of the model's argmax and of the
+target. The counts are of the model's argmax predictions (``out``, the default) or of the targets
+(``gt``), over the same sliding window of optimizer updates as AGG's (summed over data-parallel
+ranks, moved only in training, saved in the checkpoint), or over the whole run
+(``--face-cumulative``, the released code). Logged: ``face_weight``, the mean target weight.
+Defaults and the choices the paper leaves open: docs/baselines.md, "FACE".
+"""
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from fairseq import metrics
+from fairseq.criterions import register_criterion
+from fairseq.dataclass import ChoiceEnum
+
+from fairseq_agg.fairseq_hooks import add_state_anchor, data_parallel_group, updates_per_epoch
+from fairseq_agg.ops.agg_gates import RareTokenWindow, target_histogram
+from fairseq_agg.ops.face import FREQUENCIES, WEIGHINGS, CumulativeCounts, FaceWeights, counted_ids, face_token_weights
+
+from .output_loss import OutputLossConfig, OutputLossCriterion, check_range
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FaceConfig(OutputLossConfig):
+    face_weighing: ChoiceEnum(list(WEIGHINGS)) = field(
+        default="pre",
+        metadata={"help": "pre: weight w_k = V u_k / sum u, u_k = 1 - RF_k / max RF, of the target (the "
+                  "released code's default); post: 1 + max(0, f[argmax] - f[target]) / sum f"},
+    )
+    face_frequency: ChoiceEnum(list(FREQUENCIES)) = field(
+        default="out",
+        metadata={"help": "what is counted: out = the model's argmax predictions (the released code's "
+                  "default), gt = the targets"},
+    )
+    face_window: int = field(
+        default=0,
+        metadata={"help": "count over the last K optimizer updates, AGG's sliding window (>= 1); 0 = auto, "
+                  "the number of updates per epoch"},
+    )
+    face_cumulative: bool = field(
+        default=False,
+        metadata={"help": "count over the whole run without decay (the released code) instead of the window"},
+    )
+    face_count_eos: bool = field(
+        default=False,
+        metadata={"help": "count the end-of-sentence token too (the paper-era code; the released code "
+                  "never counts it)"},
+    )
+
+
+@register_criterion("cross_entropy_face", dataclass=FaceConfig)
+class FaceCriterion(OutputLossCriterion):
+    """FACE-weighted (label-smoothed) cross-entropy; see the module docstring."""
+
+    def __init__(self, task, cfg: FaceConfig):
+        check_range("face_window", cfg.face_window, cfg.face_window >= 0, ">= 1 (or 0 for auto)")
+        super().__init__(task, cfg)
+        vocab = len(self.dictionary)
+        if cfg.face_cumulative:
+            self.counter = CumulativeCounts(vocab)
+        else:
+            self.counter = RareTokenWindow(vocab, cfg.face_window or None)
+        self.uncounted = None if cfg.face_count_eos else self.dictionary.eos()
+        add_state_anchor(self)  # the counts travel with every checkpoint
+
+    def on_train_batches(self, batches_per_epoch):
+        if not self.counter.is_configured:
+            window = updates_per_epoch(batches_per_epoch, self.cfg.update_freq)
+            logger.info(f"FACE counting window: {window} updates (one epoch; set --face-window to change)")
+            self.counter.set_window(window)
+
+    def _counting(self, model):
+        """Whether this micro-batch moves the counts (training only), after opening its update."""
+        if not (model.training and torch.is_grad_enabled()):
+            return False
+        if self.update_num is None:
+            raise RuntimeError(
+                "cross_entropy_face needs the update number: train with fairseq-train, or call "
+                "criterion.set_update_num(n) before each training forward"
+            )
+        if not self.counter.is_configured:
+            raise ValueError(
+                "--face-window is 0 (auto, one epoch of updates) but the number of updates per epoch is "
+                "unknown here; pass --face-window N (N >= 1)"
+            )
+        self.counter.start_update(self.update_num + 1)
+        return True
+
+    def _count(self, ids):
+        if self.ignore_grad:
+            ids = ids[:0]  # a dummy batch still joins the collective, with nothing in it
+        self.counter.add(
+            target_histogram(counted_ids(ids, self.uncounted), len(self.dictionary), all_reduce=True,
+                             group=data_parallel_group())
+        )
+
+    def output_loss(self, model, hidden, weight, target, gates):
+        counting = self._counting(model)
+        if counting and self.cfg.face_frequency == "gt":
+            self._count(target)  # the released code counts the batch before weighting it
+        counts = self.counter.counts.to(target.device)
+        pre = self.cfg.face_weighing == "pre"
+        face = FaceWeights(
+            token_weight=face_token_weights(counts) if pre else None,
+            counts=None if pre else counts,
+            record_predictions=counting and self.cfg.face_frequency == "out",
+        )
+        loss, nll, _ = self.output_layer(hidden, weight, target, gates, row_weights=face)
+        if face.record_predictions:
+            self._count(face.predictions if face.predictions is not None else target[:0])
+        weight_sum = face.weight_sum if face.weight_sum is not None else torch.zeros((), device=target.device)
+        return loss, nll, {"face_weight": weight_sum.data}
+
+    def adjust_loss(self, loss):
+        return loss + 0.0 * self.state_anchor.sum()  # keeps the anchor in the graph (DDP), adds nothing
+
+    @classmethod
+    def reduce_extra_metrics(cls, logging_outputs, total):
+        super().reduce_extra_metrics(logging_outputs, total)
+        ntokens = total("ntokens")
+        if ntokens:
+            metrics.log_scalar("face_weight", total("face_weight") / ntokens, ntokens, round=4)
+
+    def load_state_dict(self, state_dict, strict=True, **kwargs):
+        if state_dict is None:  # checkpoint written by another criterion
+            logger.info("checkpoint has no FACE counts: counting starts empty")
+            return
+        return super().load_state_dict(state_dict, strict=strict, **kwargs)

@@ -1,0 +1,148 @@
+"""The statistics flags (``--embed-stats-*``, ``--tev-*``, ``--iso-rows``; docs/stats.md).
+
+:class:`EmbeddingStatsConfig` is the one declaration of the flags and their defaults; a criterion's
+config dataclass inherits it. :class:`EmbeddingStatsSettings` is its validated plain-Python view,
+built from a criterion config (or keyword arguments named like the fields) with the same defaults.
+"""
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+
+from . import groups as G
+from .matrices import MATRIX_CHOICES
+
+
+@dataclass
+class EmbeddingStatsConfig(FairseqDataclass):
+    embed_stats_interval: int = field(
+        default=0,
+        metadata={
+            "help": "log TEV (tev_mu, tev_sigma, tev_mu_over_init) and the mean pairwise cosine "
+            "(mean_cos) of the token embeddings every N updates and at every validation "
+            "(0 = off; 100 is a good value)"
+        },
+    )
+    embed_isotropy_interval: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "log the isotropy I(W) (isotropy, isotropy_raw, isotropy_fixed; O(V*d^2)) every "
+            "N updates and at validation; default: 10 x --embed-stats-interval; 0 = off"
+        },
+    )
+    no_embed_stats_valid: bool = field(
+        default=False, metadata={"help": "do not compute the embedding statistics at validation"}
+    )
+    embed_stats_groups: bool = field(
+        default=False,
+        metadata={"help": "also log every embedding statistic per frequency group (_freq, _med, _rare)"},
+    )
+    embed_group_fractions: str = field(
+        default="0.3,0.5,0.2",
+        metadata={
+            "help": "frequent,medium,rare fractions of the non-special, non-madeupword types in "
+            "dictionary (= frequency) order; must sum to 1"
+        },
+    )
+    embed_group_preset: Optional[ChoiceEnum(list(G.PRESETS))] = field(
+        default=None,
+        metadata={
+            "help": "fixed id ranges instead of fractions: wikitext103-official = "
+            "[0,13000), [13000,36000), [36000,V) (the official AGG evaluation)"
+        },
+    )
+    tev_matrices: ChoiceEnum(list(MATRIX_CHOICES)) = field(
+        default="all",
+        metadata={
+            "help": "which matrices: input embeddings, output projection, or all distinct "
+            "matrices (tied ones count once)"
+        },
+    )
+    tev_exclude_special: bool = field(
+        default=False,
+        metadata={"help": "TEV without the special rows (bos/eos/unk; pad and madeupwords are always dropped)"},
+    )
+    tev_exclude_unseen: bool = field(
+        default=False,
+        metadata={"help": "TEV without the types whose dictionary count is 0 (never seen in training)"},
+    )
+    tev_effective: bool = field(
+        default=False,
+        metadata={"help": "also log TEV x embed_scale of input embeddings (tev_mu_eff, tev_sigma_eff)"},
+    )
+    tev_init_std: Optional[float] = field(
+        default=None,
+        metadata={"help": "init std for tev_mu_over_init (default: d^-0.5, fairseq's embedding init)"},
+    )
+    iso_rows: ChoiceEnum(list(G.ROW_POLICIES)) = field(
+        default="no-pad-madeup",
+        metadata={"help": "rows used by isotropy and mean_cos: all, no-pad-madeup, or no-special"},
+    )
+
+
+FLAG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EmbeddingStatsConfig)}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _choice(value, name, choices):
+    value = None if value is None else str(getattr(value, "value", value))  # ChoiceEnum member or str
+    if value is not None and value not in choices:
+        raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def _interval(value, name):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) and not (isinstance(value, float) and value.is_integer()):
+        raise ValueError(f"{_flag(name)} must be an integer >= 0 (0 = off), got {value!r}")
+    if int(value) < 0:
+        raise ValueError(f"{_flag(name)} must be an integer >= 0 (0 = off), got {value}")
+    return int(value)
+
+
+class EmbeddingStatsSettings:
+    """Validated view of the :class:`EmbeddingStatsConfig` fields; raises ValueError naming the flag.
+
+    ``EmbeddingStatsSettings(cfg)`` reads the fields of a dataclass, DictConfig or Namespace;
+    keyword arguments named like the fields override them; missing fields take their defaults.
+    """
+
+    def __init__(self, cfg=None, **flags):
+        unknown = sorted(set(flags) - set(FLAG_DEFAULTS))
+        if unknown:
+            raise TypeError(f"unknown embedding-statistics settings: {', '.join(unknown)}")
+        values = dict(FLAG_DEFAULTS)
+        if cfg is not None:
+            values.update({name: getattr(cfg, name) for name in FLAG_DEFAULTS if hasattr(cfg, name)})
+        values.update(flags)
+
+        self.interval = _interval(values["embed_stats_interval"], "embed_stats_interval")
+        iso = _interval(values["embed_isotropy_interval"], "embed_isotropy_interval")
+        self.iso_interval = 10 * self.interval if iso is None else iso
+        self.valid = not values["no_embed_stats_valid"]
+        self.groups = bool(values["embed_stats_groups"])
+        self.fractions = G.parse_fractions(values["embed_group_fractions"], "--embed-group-fractions")
+        self.preset = _choice(values["embed_group_preset"], "embed_group_preset", G.PRESETS)
+        self.matrices = _choice(values["tev_matrices"], "tev_matrices", MATRIX_CHOICES)
+        self.exclude_special = bool(values["tev_exclude_special"])
+        self.exclude_unseen = bool(values["tev_exclude_unseen"])
+        self.effective = bool(values["tev_effective"])
+        init_std = values["tev_init_std"]
+        if init_std is not None and not (float(init_std) > 0 and math.isfinite(float(init_std))):
+            raise ValueError(f"--tev-init-std must be a positive number, got {init_std!r}")
+        self.init_std = None if init_std is None else float(init_std)
+        self.iso_rows = _choice(values["iso_rows"], "iso_rows", G.ROW_POLICIES)
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval > 0 or self.iso_interval > 0
+
+    @property
+    def tev_row_policy(self) -> str:
+        return "no-special" if self.exclude_special else "no-pad-madeup"
