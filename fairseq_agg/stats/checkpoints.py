@@ -28,8 +28,9 @@ def load_checkpoint(path: str) -> dict:
     allow_namespace_in_checkpoints()
     try:
         state = checkpoint_utils.load_checkpoint_to_cpu(path)
-    except Exception as e:  # torch.load / unpickling errors have unhelpful types
-        raise AnalyzeError(f"{path} is not a readable fairseq checkpoint ({type(e).__name__}: {e})")
+    except Exception as e:  # torch.load / unpickling errors have unhelpful types and long texts
+        reason = (str(e).strip().splitlines() or [""])[0]
+        raise AnalyzeError(f"{path} is not a readable fairseq checkpoint ({type(e).__name__}: {reason})")
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
         raise AnalyzeError(f"{path} is not a fairseq checkpoint (no 'model' state dict)")
     return state
