@@ -19,13 +19,14 @@ from fairseq import metrics
 from fairseq.criterions import register_criterion
 from fairseq.dataclass import ChoiceEnum
 
-from fairseq_agg.fairseq_hooks import add_state_anchor, data_parallel_group, is_translation_task, updates_per_epoch
+from fairseq_agg.fairseq_hooks import add_state_anchor, is_translation_task
 from fairseq_agg.ops.agg_gates import (
-    RareTokenWindow, agg_gates, alpha_allowed_range, frozen_rare_rows, resolve_threshold, target_histogram,
+    RareTokenWindow, agg_gates, alpha_allowed_range, frozen_rare_rows, resolve_threshold,
 )
 from fairseq_agg.stats.groups import frequency_groups, parse_fractions
 
 from .augmented_loss import AugmentedLossConfig, AugmentedLossMixin
+from .target_counting import add_counts, open_update, set_epoch_window
 from .output_loss import OutputLossCriterion, check_range
 
 logger = logging.getLogger(__name__)
@@ -115,10 +116,7 @@ class AggCriterion(AugmentedLossMixin, OutputLossCriterion):
             )["rare"]
 
     def on_train_batches(self, batches_per_epoch):
-        if not self.window.is_configured:
-            window = updates_per_epoch(batches_per_epoch, self.cfg.update_freq)
-            logger.info(f"AGG counting window: {window} updates (one epoch; set --agg-window to change)")
-            self.window.set_window(window)
+        set_epoch_window(self.window, batches_per_epoch, self.cfg.update_freq, "AGG", "--agg-window")
         self.log_threshold()  # also after a resume, whose window came from the checkpoint
 
     def log_threshold(self):
@@ -142,25 +140,9 @@ class AggCriterion(AugmentedLossMixin, OutputLossCriterion):
     def compute_gates(self, model, target):
         self._last_gates = None
         self.frozen_rows = None
-        if not (model.training and torch.is_grad_enabled()):
+        if not open_update(self, self.window, model, "cross_entropy_agg", "--agg-window"):
             return None  # validation: counts never change, and no gradient needs gating
-        if self.update_num is None:
-            raise RuntimeError(
-                "cross_entropy_agg needs the update number: train with fairseq-train, or call "
-                "criterion.set_update_num(n) before each training forward"
-            )
-        if not self.window.is_configured:
-            raise ValueError(
-                "--agg-window is 0 (auto, one epoch of updates) but the number of updates per epoch is "
-                "unknown here; pass --agg-window N (N >= 1)"
-            )
-        self.window.start_update(self.update_num + 1)
-        if self.ignore_grad:
-            target = target[:0]  # a dummy batch still joins the collective, with nothing in it
-        histogram = target_histogram(
-            target, len(self.dictionary), all_reduce=not self.cfg.agg_local_counts, group=data_parallel_group()
-        )
-        self.window.add(histogram)
+        add_counts(self, self.window, target, len(self.dictionary), all_reduce=not self.cfg.agg_local_counts)
         gates = agg_gates(
             self.window.counts,
             self.window.recorded,

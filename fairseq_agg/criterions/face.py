@@ -18,10 +18,11 @@ from fairseq import metrics
 from fairseq.criterions import register_criterion
 from fairseq.dataclass import ChoiceEnum
 
-from fairseq_agg.fairseq_hooks import add_state_anchor, data_parallel_group, updates_per_epoch
-from fairseq_agg.ops.agg_gates import RareTokenWindow, target_histogram
+from fairseq_agg.fairseq_hooks import add_state_anchor
+from fairseq_agg.ops.agg_gates import RareTokenWindow
 from fairseq_agg.ops.face import FREQUENCIES, WEIGHINGS, CumulativeCounts, FaceWeights, counted_ids, face_token_weights
 
+from .target_counting import add_counts, open_update, set_epoch_window
 from .output_loss import OutputLossConfig, OutputLossCriterion, check_range
 
 logger = logging.getLogger(__name__)
@@ -71,35 +72,13 @@ class FaceCriterion(OutputLossCriterion):
         add_state_anchor(self)  # the counts travel with every checkpoint
 
     def on_train_batches(self, batches_per_epoch):
-        if not self.counter.is_configured:
-            window = updates_per_epoch(batches_per_epoch, self.cfg.update_freq)
-            logger.info(f"FACE counting window: {window} updates (one epoch; set --face-window to change)")
-            self.counter.set_window(window)
+        set_epoch_window(self.counter, batches_per_epoch, self.cfg.update_freq, "FACE", "--face-window")
 
     def _counting(self, model):
-        """Whether this micro-batch moves the counts (training only), after opening its update."""
-        if not (model.training and torch.is_grad_enabled()):
-            return False
-        if self.update_num is None:
-            raise RuntimeError(
-                "cross_entropy_face needs the update number: train with fairseq-train, or call "
-                "criterion.set_update_num(n) before each training forward"
-            )
-        if not self.counter.is_configured:
-            raise ValueError(
-                "--face-window is 0 (auto, one epoch of updates) but the number of updates per epoch is "
-                "unknown here; pass --face-window N (N >= 1)"
-            )
-        self.counter.start_update(self.update_num + 1)
-        return True
+        return open_update(self, self.counter, model, "cross_entropy_face", "--face-window")
 
     def _count(self, ids):
-        if self.ignore_grad:
-            ids = ids[:0]  # a dummy batch still joins the collective, with nothing in it
-        self.counter.add(
-            target_histogram(counted_ids(ids, self.uncounted), len(self.dictionary), all_reduce=True,
-                             group=data_parallel_group())
-        )
+        add_counts(self, self.counter, counted_ids(ids, self.uncounted), len(self.dictionary))
 
     def output_loss(self, model, hidden, weight, target, gates):
         counting = self._counting(model)
