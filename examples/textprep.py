@@ -14,6 +14,7 @@ Commands:
   wikitext-detok  undo WikiText's ``@-@`` style token escapes (for subword models)
   hyp-from-generate  extract H- or T- lines of fairseq-generate output in input order
   compound-split  Moses-tokenise and split compounds (##AT##) for the papers' tokenized BLEU
+  download        fetch a URL with a non-default User-Agent, verifying .zip files
 """
 import argparse
 import os
@@ -173,17 +174,32 @@ def read_generate(path, prefix="H"):
 
 # ---------------------------------------------------------------------------- tokenized BLEU
 
+# The compound split of the community recipe (tensor2tensor's get_ende_bleu.sh, fairseq's
+# scripts/compound_split_bleu.sh) is the perl one-liner  perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'.
+# It is implemented here with Python's re, whose substitution has the same semantics: matches are
+# found left to right and do not overlap, so "A-B-C" becomes "A ##AT##-##AT## B-C" (the "B" is used
+# by the first match). re.ASCII keeps \S to what perl's \S is on the bytes it reads without a
+# UTF-8 layer: anything but [ \t\n\v\f\r]. A non-ASCII character then counts as non-space in both
+# (perl sees its UTF-8 bytes, none of which is ASCII whitespace), e.g. a no-break space next to a
+# hyphen. tests/test_pipelines_wmt.py checks the equivalence against a real perl process.
+_COMPOUND_HYPHEN = re.compile(r"(\S)-(\S)", re.ASCII)
 
-def compound_split_line(tok, line, lang):
-    """Moses-tokenises (aggressive dash splitting) and marks compound hyphens with ##AT##.
 
-    This is what the WMT14 En-De papers since Vaswani et al. (2017) report as "tokenized BLEU":
-    hyphenated compounds count as three tokens, so "Bundes-Innenminister" scores like the
-    tokenisation of Google's original evaluation.
+def split_compounds(tokenized):
+    """The recipe's perl substitution s{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g on one tokenised line."""
+    return _COMPOUND_HYPHEN.sub(r"\1 ##AT##-##AT## \2", tokenized)
+
+
+def compound_split_line(tok, line):
+    """One detokenised line as the community recipe scores it: Moses-tokenised, compounds split.
+
+    The WMT14 En-De papers since the Transformer (Vaswani et al., 2017), the AGG paper among
+    them, report this "tokenized BLEU", in which a hyphenated compound counts as three tokens
+    ("Bundes-Innenministerium" -> "Bundes ##AT##-##AT## Innenministerium"). The tokenisation is
+    Moses' tokenizer.perl with its defaults (``-l LANG``: no aggressive hyphen splitting, HTML
+    escaping of ``& < > " ' [ ] |``), here sacremoses' port of it, then ``split_compounds``.
     """
-    text = tok.tokenize(line, aggressive_dash_splits=True, escape=False, return_str=True)
-    # Moses writes "a @-@ b"; the compound split turns each hyphen into "##AT##-##AT##".
-    return text.replace(" @-@ ", " ##AT##-##AT## ")
+    return split_compounds(tok.tokenize(line, aggressive_dash_splits=False, escape=True, return_str=True))
 
 
 def compound_split(inp, out, lang):
@@ -194,7 +210,77 @@ def compound_split(inp, out, lang):
     tok = MosesTokenizer(lang=lang)
     with _open(inp) as fin, _open(out, "w") as fout:
         for line in fin:
-            fout.write(compound_split_line(tok, line.rstrip("\n"), lang) + "\n")
+            fout.write(compound_split_line(tok, line.rstrip("\n")) + "\n")
+
+
+# ---------------------------------------------------------------------------- downloads
+
+
+def _user_agent():
+    """``fairseq-agg/VERSION``: some mirrors (the WikiText one) refuse urllib's default agent."""
+    from importlib import metadata
+
+    try:
+        return f"fairseq-agg/{metadata.version('fairseq-agg')}"
+    except metadata.PackageNotFoundError:
+        return "fairseq-agg"
+
+
+def download(url, output, user_agent=None, attempts=3, timeout=60):
+    """Downloads ``url`` to ``output`` through ``output.part``; a ``.zip`` must be a valid zip.
+
+    Connection failures and truncated transfers are retried ``attempts`` times; an HTTP error
+    status is not (the server answered). Nothing is left at ``output`` unless it is complete.
+    """
+    import time
+    import urllib.error
+    import urllib.request
+    import zipfile
+
+    part = output + ".part"
+    request = urllib.request.Request(url, headers={"User-Agent": user_agent or _user_agent()})
+    hint = "(or download the file yourself and pass its directory as the recipe's --raw-dir)"
+    for attempt in range(1, attempts + 1):
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as resp, open(part, "wb") as f:
+                expected = resp.headers.get("Content-Length")
+                got = 0
+                while True:
+                    block = resp.read(1 << 20)
+                    if not block:
+                        break
+                    f.write(block)
+                    got += len(block)
+            if expected is not None and got != int(expected):
+                raise ConnectionError(f"got {got} of {expected} bytes")
+            break
+        except urllib.error.HTTPError as e:
+            _remove(part)
+            _die(f"download of {url} failed: HTTP {e.code} {e.reason} {hint}")
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+            _remove(part)
+            reason = getattr(e, "reason", e)
+            if attempt == attempts:
+                _die(f"download of {url} failed after {attempts} attempts: {reason} {hint}")
+            print(f"textprep: download of {url} failed ({reason}); retrying", file=sys.stderr)
+            time.sleep(2 * attempt)
+    if output.endswith(".zip"):
+        try:
+            with zipfile.ZipFile(part) as z:
+                bad = z.testzip()
+        except zipfile.BadZipFile:
+            bad = "(not a zip archive)"
+        if bad is not None:
+            size = os.path.getsize(part)
+            _remove(part)
+            _die(f"download of {url} is not a valid zip ({size} bytes; bad member: {bad}) {hint}")
+    os.replace(part, output)
+    return output
+
+
+def _remove(path):
+    if os.path.exists(path):
+        os.remove(path)
 
 
 def main(argv=None):
@@ -247,6 +333,11 @@ def main(argv=None):
     s.add_argument("--output", default="-")
     s.add_argument("--lang", default="de")
 
+    f = sub.add_parser("download")
+    f.add_argument("--url", required=True)
+    f.add_argument("--output", required=True)
+    f.add_argument("--user-agent", default=None, help="default: fairseq-agg/VERSION")
+
     a = p.parse_args(argv)
     if a.cmd == "spm-train":
         spm_train(a.inputs, a.model_prefix, a.vocab_size, a.model_type, a.character_coverage,
@@ -270,6 +361,8 @@ def main(argv=None):
                 f.write(line + "\n")
     elif a.cmd == "compound-split":
         compound_split(a.input, a.output, a.lang)
+    elif a.cmd == "download":
+        download(a.url, a.output, a.user_agent)
     return 0
 
 

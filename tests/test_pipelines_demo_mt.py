@@ -121,6 +121,7 @@ def test_mt_demo_end_to_end_on_fixtures(tmp_path, repo_root):
     lo = lo_fixture(str(tmp_path / "help"), n_files=60)
     work = tmp_path / "work"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)  # fairseq-generate loads the checkpoints with safe loading
     proc = subprocess.run([sys.executable, "-m", "examples.demo_mt.run", "--quick", "--ding-file", ding,
                            "--lo-help-dir", lo, "--work-dir", str(work), "--updates", "12", "--vocab-size", "300",
                            "--methods", "baseline", "agg"], cwd=repo_root, capture_output=True, text=True, env=env,
@@ -129,6 +130,11 @@ def test_mt_demo_end_to_end_on_fixtures(tmp_path, repo_root):
     assert proc.returncode == 0, out[-4000:]
     assert "BLEU|nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:" in out
     assert "chrF2|nrefs:1|" in out and "| train_inner |" in out
+    # a quiet console: a line per run and step, "run k of N" with the time left, no dumps or warnings
+    assert "run 1 of 2 started: " in out and "run 2 of 2 finished: " in out and ", BLEU " in out and "left" in out
+    for noise in ("Namespace(", "'common': {", "TransformerModel(", "DEBUG", "Warning", "hydra"):
+        assert noise not in out, noise
+    assert "Namespace(" in open(work / "data" / "preprocess.log").read()
     res = json.load(open(work / "results-quick" / "results.json"))
     refs = open(work / "data" / "raw" / "test.de", encoding="utf-8").read().splitlines()
     for m in ("baseline", "agg"):

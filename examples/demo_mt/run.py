@@ -230,7 +230,7 @@ def train_and_score_all(a, plan, data_dir, eval_dir):
         res = evaluate(run.label, run.checkpoint, eval_dir, run.save_dir, plan.env, a.cpu)
         res.update(train_seconds=run.train_seconds, valid_nll=final_valid_nll(run.lines),
                    rare_tokens=run.rare_tokens)
-        say(f"[demo-mt] === {run.label}: BLEU {res['bleu']:.2f}, chrF {res['chrf']:.2f} ===")
+        DEMO.finished(plan, run.label, f"BLEU {res['bleu']:.2f}, chrF {res['chrf']:.2f}")
         return run, res
 
     return {run.label: (run.method, res) for run, res in DEMO.run_side_by_side(one_run, a, plan)}

@@ -1,17 +1,30 @@
 #!/usr/bin/env bash
 # WikiText-103 for fairseq language modelling.
 #
-#   bash examples/wikitext103/prepare.sh [--raw-dir DIR] [--out DIR] [--tokenizer spm|word]
-#        [--vocab-size 32000] [--workers N] [--spm-sentences N]
+# Usage: bash examples/wikitext103/prepare.sh [flags]
 #
-# Downloads wikitext-103-v1 (the tokenised release: wiki.{train,valid,test}.tokens) unless
-# --raw-dir DIR already holds those three files (searched recursively; a .zip in DIR is
-# extracted). Then:
+# Flags (default):
+#   --raw-dir DIR        a directory holding wiki.{train,valid,test}.tokens (searched
+#                        recursively; a .zip in DIR is extracted) instead of the download
+#                        (none: download into OUT/orig)
+#   --url URL            where to download wikitext-103-v1.zip from
+#                        (https://wikitext.smerity.com/wikitext-103-v1.zip)
+#   --out DIR            where everything goes (data/wikitext103)
+#   --tokenizer spm|word sentencepiece BPE or WikiText's own word vocabulary (spm)
+#   --vocab-size N       sentencepiece vocabulary, >= 100 (32000)
+#   --workers N          fairseq-preprocess workers (the number of CPUs)
+#   --spm-sentences N    training sentences sampled for sentencepiece (10000000)
+#   -h, --help           this help
+#
+# The download is wikitext-103-v1 (the tokenised release: wiki.{train,valid,test}.tokens) from
+# the dataset author's mirror (the old S3 address is gone). That server refuses Python's default
+# User-Agent, so the download sends `fairseq-agg/VERSION` (examples/textprep.py download); the
+# zip is verified before it is used, and a failure is one error line. Then:
 #   --tokenizer spm  (default) undoes WikiText's in-word escapes (`1 @,@ 000` -> `1,000`,
 #                    `state @-@ of` -> `state-of`, `@.@`), trains a sentencepiece BPE model
-#                    (--vocab-size, default 32000; the AGG paper used GPT-2's BPE, which needs a
-#                    download that sentencepiece does not) on the training text and encodes all
-#                    splits. Headings (` = Title = `), `<unk>` and blank lines stay as they are.
+#                    (--vocab-size; the AGG paper used GPT-2's BPE, which needs a download that
+#                    sentencepiece does not) on the training text and encodes all splits.
+#                    Headings (` = Title = `), `<unk>` and blank lines stay as they are.
 #   --tokenizer word the original word-level vocabulary (~267k types), fairseq's recipe.
 # Finally fairseq-preprocess --only-source. Writes OUT/data-bin, OUT/spm.model (spm only) and
 # OUT/prepare.log.
@@ -21,10 +34,11 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=../common.sh
 source "$here/../common.sh"  # root, py, bindir, textprep, die, parse_flags, need_int
 
-raw_dir=""; out="$root/data/wikitext103"; tokenizer=spm; vocab=32000
+raw_dir=""; url="https://wikitext.smerity.com/wikitext-103-v1.zip"; out="$root/data/wikitext103"
+tokenizer=spm; vocab=32000
 workers="$(nproc 2>/dev/null || echo 1)"; spm_sentences=10000000
 
-parse_flags "--raw-dir=raw_dir --out=out --tokenizer=tokenizer --vocab-size=vocab --workers=workers
+parse_flags "--raw-dir=raw_dir --url=url --out=out --tokenizer=tokenizer --vocab-size=vocab --workers=workers
   --spm-sentences=spm_sentences" "$@"
 [[ "$tokenizer" == spm || "$tokenizer" == word ]] || die "--tokenizer must be spm or word, got '$tokenizer'"
 need_int --vocab-size "$vocab" 100
@@ -34,7 +48,7 @@ need_int --spm-sentences "$spm_sentences" 1
 if [[ -z "$raw_dir" ]]; then
   raw_dir="$out/orig"
   mkdir -p "$raw_dir"
-  fetch https://s3.amazonaws.com/research.metamind.io/wikitext/wikitext-103-v1.zip "$raw_dir/wikitext-103-v1.zip"
+  fetch "$url" "$raw_dir/wikitext-103-v1.zip"
 fi
 [[ -d "$raw_dir" ]] || die "--raw-dir: no such directory: $raw_dir"
 raw_dir="$(cd "$raw_dir" && pwd)"
@@ -42,7 +56,8 @@ shopt -s nullglob
 for z in "$raw_dir"/*.zip; do
   if [[ ! -f "$z.extracted" ]]; then
     echo "[prepare] extracting $(basename "$z")"
-    "$py" -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" "$z" "$raw_dir"
+    "$py" -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" "$z" "$raw_dir" \
+      || die "cannot extract $z: delete it and run again"
     touch "$z.extracted"
   fi
 done

@@ -1,20 +1,30 @@
 #!/usr/bin/env bash
 # WMT14 English->German for fairseq with sentencepiece (instead of Moses + subword-nmt).
 #
-#   bash examples/wmt14_en_de/prepare.sh [--raw-dir DIR] [--out DIR] [--vocab-size 32000]
-#        [--news-commentary v12|v9] [--workers N] [--spm-sentences N]
+# Usage: bash examples/wmt14_en_de/prepare.sh [flags]
 #
-# Training data: Europarl v7, Common Crawl and News Commentary (v12 as in the AGG paper's
-# --icml17 setup, v9 as in fairseq's default WMT14 setup); valid = newstest2013, test =
-# newstest2014 (full, 3003 sentences), both fetched with `sacrebleu --echo`.
+# Flags (default):
+#   --raw-dir DIR             use already-downloaded files instead of the network (none: download
+#                             into OUT/orig)
+#   --out DIR                 where everything goes (data/wmt14_en_de)
+#   --vocab-size N            joint sentencepiece BPE vocabulary, >= 100 (32000)
+#   --news-commentary v12|v9  v12 as in the AGG paper's --icml17 setup, v9 as in fairseq's
+#                             default WMT14 setup (v12)
+#   --workers N               fairseq-preprocess workers (the number of CPUs)
+#   --spm-sentences N         training sentences sampled for sentencepiece (10000000)
+#   -h, --help                this help
+#
+# Training data: Europarl v7, Common Crawl and News Commentary; valid = newstest2013, test =
+# newstest2014 (full, 3003 sentences), both fetched with `sacrebleu --echo`. Downloads send a
+# fairseq-agg User-Agent (examples/textprep.py download).
 # Pipeline: joint sentencepiece BPE model on the raw training text, encode, clean the training
 # pairs (1..250 pieces, length ratio <= 1.5), fairseq-preprocess --joined-dictionary.
 #
-# --raw-dir DIR: use already-downloaded files instead of the network. DIR (searched
-# recursively) must contain the extracted corpora `europarl-v7.de-en.{en,de}`,
-# `commoncrawl.de-en.{en,de}`, `news-commentary-v12.de-en.{en,de}` (or -v9) and plain-text
-# `newstest2013.{en,de}` and `newstest2014.{en,de}` (one sentence per line, as
-# `sacrebleu -t wmt14/full -l en-de --echo src` prints them). .tgz archives in DIR are extracted.
+# --raw-dir DIR (searched recursively) must contain the extracted corpora
+# `europarl-v7.de-en.{en,de}`, `commoncrawl.de-en.{en,de}`, `news-commentary-v12.de-en.{en,de}`
+# (or -v9) and plain-text `newstest2013.{en,de}` and `newstest2014.{en,de}` (one sentence per
+# line, as `sacrebleu -t wmt14/full -l en-de --echo src` prints them). .tgz archives in DIR are
+# extracted.
 #
 # Writes OUT/data-bin (fairseq binary data), OUT/spm.model, OUT/raw/{valid,test}.{en,de}
 # (untouched references for sacrebleu) and OUT/prepare.log.

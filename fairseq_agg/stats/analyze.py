@@ -6,9 +6,11 @@ For every distinct token-embedding matrix of every checkpoint (``enc`` = encoder
 TEV, mean pairwise cosine, isotropy I(W) (sign-symmetric / raw / sign-fixed) and the singular
 values, over all rows and per frequency group, with the same functions, matrices and row rules as
 the live logging (:mod:`~fairseq_agg.stats.metrics`, :mod:`~fairseq_agg.stats.matrices`). With ``--data`` it also scores a split with the real model
-(teacher forcing, no context window, like ``fairseq-eval-lm``'s default; for MT the target given
-the source) and reports perplexity per frequency group of the target token, as the AGG paper's
-Table 1. Several checkpoints give one comparison table and overlaid figures.
+(a language model exactly as ``fairseq-eval-lm --context-window C --tokens-per-sample T`` scores
+it, same tokens and same total loss; for MT the target given the source) and reports perplexity per frequency group of the target token, as the AGG paper's
+Table 1. With ``--word-sim FILE ...`` it also reports word similarity (Spearman's ρ between
+embedding cosines and human scores, :mod:`~fairseq_agg.stats.word_similarity`) of every matrix.
+Several checkpoints give one comparison table and overlaid figures.
 
 Outputs in ``--out`` (default ``analysis``): ``report.json``, ``table.md`` (also printed),
 ``spectrum.png`` (singular values of every matrix, overlaid) and ``projection.png`` (the output
@@ -26,7 +28,9 @@ report.json schema (version 1)
     {
       "version": 1,
       "settings": {"rows": "no-pad-madeup", "group_fractions": [0.3, 0.5, 0.2],
-                   "group_preset": null, "data": DATA_BIN or null, "split": "valid" or null},
+                   "group_preset": null, "data": DATA_BIN or null, "split": "valid" or null,
+                   "context_window": C or null, "tokens_per_sample": T or null (null: each checkpoint's),
+                   "word_sim": ["/abs/wordsim353.tsv", ...] or null, "word_sim_spm": "/abs/spm.model" or null},
       "checkpoints": [
         {
           "label": "checkpoint_best", "path": "/abs/path.pt",
@@ -45,12 +49,22 @@ report.json schema (version 1)
               "singular_values": [σ_1 >= σ_2 >= ... >= σ_d]
             }, ...
           },
-          "ppl": {"split": "valid", "total": {"tokens": n, "nll": nats per token, "ppl": f},
-                  "groups": {"freq": {"tokens", "nll", "ppl"}, "med": {...}, "rare": {...}}}
-                 or null (no --data / --no-ppl)
+          "ppl": {"split": "valid", "context_window": C, "tokens_per_sample": T (null for MT),
+                  "total": {"tokens": n, "nll": nats per token, "ppl": f},
+                  "groups": {"freq": {"tokens", "nll", "ppl"}, "med": {...}, "rare": {...}},
+                  "ungrouped": {"tokens", "nll", "ppl"}}   (types in no group: </s>, <unk>, ...)
+                 or null (no --data / --no-ppl),
+          "word_similarity": {                 (null without --word-sim; docs/stats.md, "Word similarity")
+            "wordsim353": {                    (the --word-sim file's stem)
+              "dec": {"single": {"rho": f or null, "pairs": n},   (both words one dictionary symbol)
+                      "subword": {"rho": f or null, "pairs": n},  (words = mean of their pieces' rows)
+                      "total_pairs": n}, ...   (every distinct matrix, as in "matrices")
+            }, ...
+          }
         }, ...
       ],
-      "table": {"columns": ["label", "matrix", "tev_mu", ...], "rows": [[...], ...]},
+      "table": {"columns": ["label", "matrix", "tev_mu", ..., "ws_wordsim353", "ws_wordsim353_sub", ...],
+                "rows": [[...], ...]},    (ws_ cells: "0.312 (120)" = single-token / subword ρ (pairs))
       "figures": {"spectrum": "spectrum.png", "projection": "projection.png"}
     }
 
@@ -80,8 +94,9 @@ from .checkpoints import (
 )
 from .matrices import EMBEDDING_PARAMS, EmbeddingMatrix, dictionary_for, distinct_matrices, matrix_rows
 from .metrics import ISOTROPY_FORMS, embedding_spectrum, isotropy, mean_pairwise_cosine, tev_stats
-from .perplexity import per_group_perplexity
+from .perplexity import per_group_perplexity, scoring_tokens_per_sample
 from .plots import plot_projection, plot_spectrum
+from .word_similarity import WordSimFileError, checkpoint_word_similarity, load_spm, read_word_sim_files
 
 METRIC_KEYS = ("tev_mu", "tev_sigma", "tev_mu_over_init", "mean_cos") + ISOTROPY_FORMS
 
@@ -163,6 +178,10 @@ class AnalyzeOptions(NamedTuple):
     max_tokens: int
     ppl: bool
     device: torch.device
+    word_sim: tuple = ()  # WordPairs of the --word-sim files
+    word_sim_spm: object = None  # the loaded --word-sim-spm model
+    context_window: int = 0  # as fairseq-eval-lm --context-window
+    tokens_per_sample: Optional[int] = None  # as fairseq-eval-lm --tokens-per-sample; None: the checkpoint's
 
 
 def checkpoint_report(path, label, state, opts: AnalyzeOptions):
@@ -195,14 +214,20 @@ def checkpoint_report(path, label, state, opts: AnalyzeOptions):
         rep["matrices"][mat.name] = entry
         spectra.append((f"{label}:{mat.name}", mrep["singular_values"]))
         figures.append((mat, figdata))
+    rep["word_similarity"] = checkpoint_word_similarity(mats, dicts, opts.word_sim, opts.word_sim_spm) \
+        if opts.word_sim else None
     mat, fd = _figure_matrix(figures)
-    panel = (f"{label}: {mat.name}", fd["W"], fd["rows"], fd["spectrum"], fd["group_rows"])
+    iso = rep["matrices"][mat.name]["all"]["isotropy"]
+    panel = (f"{label}: {mat.name}, I(W) = {'-' if iso is None else f'{iso:.3f}'}", fd["W"], fd["rows"],
+             fd["spectrum"], fd["group_rows"])
     rep["ppl"] = None
     if opts.data is not None and opts.ppl:
         if groups is None:
             raise AnalyzeError(f"{path}: no target dictionary in --data {opts.data}")
         rep["ppl"] = per_group_perplexity(path, opts.data, opts.split, opts.fractions, opts.preset,
-                                          opts.max_tokens, opts.device, state=state)
+                                          opts.max_tokens, opts.device, state=state,
+                                          context_window=opts.context_window,
+                                          tokens_per_sample=opts.tokens_per_sample)
     return rep, spectra, panel
 
 
@@ -218,11 +243,20 @@ def _fmt(v):
     return str(v)
 
 
+def _word_sim_cell(score):
+    """``ρ (pairs)`` of one word-similarity score, e.g. ``0.312 (120)``; ``- (0)`` without ρ."""
+    rho = "-" if score["rho"] is None else f"{score['rho']:.3f}"
+    return f"{rho} ({score['pairs']})"
+
+
 def build_table(reports):
     cols = ["label", "matrix"] + list(METRIC_KEYS) + [f"isotropy_{g}" for g in G.GROUP_NAMES]
     with_ppl = any(r.get("ppl") for r in reports)
     if with_ppl:
         cols += ["ppl"] + [f"ppl_{g}" for g in G.GROUP_NAMES]
+    word_sim_files = next((list(r["word_similarity"]) for r in reports if r.get("word_similarity")), [])
+    for stem in word_sim_files:
+        cols += [f"ws_{stem}", f"ws_{stem}_sub"]
     rows = []
     for r in reports:
         for name, m in r["matrices"].items():
@@ -232,6 +266,9 @@ def build_table(reports):
                 p = r.get("ppl") or {}
                 row += [(p.get("total") or {}).get("ppl")]
                 row += [((p.get("groups") or {}).get(g) or {}).get("ppl") for g in G.GROUP_NAMES]
+            for stem in word_sim_files:
+                score = r["word_similarity"][stem][name]
+                row += [_word_sim_cell(score["single"]), _word_sim_cell(score["subword"])]
             rows.append(row)
     return {"columns": cols, "rows": rows}
 
@@ -269,6 +306,24 @@ def _check_options(data, rows_policy, fractions):
         raise AnalyzeError(str(e))
 
 
+def _word_sim_inputs(word_sim, word_sim_spm):
+    """(the pairs of every --word-sim file, the loaded --word-sim-spm model or None), read and
+    checked before any checkpoint is loaded; AnalyzeError naming the flag, file and line."""
+    if isinstance(word_sim, str):
+        word_sim = [word_sim]
+    if word_sim_spm is not None and not word_sim:
+        raise AnalyzeError("--word-sim-spm needs --word-sim FILE [FILE ...]")
+    try:
+        datasets = tuple(read_word_sim_files(word_sim or ()))
+    except WordSimFileError as e:
+        raise AnalyzeError(f"--word-sim {e}")
+    try:
+        spm = None if word_sim_spm is None else load_spm(word_sim_spm)
+    except WordSimFileError as e:
+        raise AnalyzeError(f"--word-sim-spm {e}")
+    return datasets, spm
+
+
 def write_outputs(report, spectra, panels, out, figures, max_points):
     """report.json, table.md and (with ``figures``) the two PNG files in ``out``."""
     os.makedirs(out, exist_ok=True)
@@ -284,13 +339,24 @@ def write_outputs(report, spectra, panels, out, figures, max_points):
 
 def analyze(paths, data=None, split="valid", out="analysis", labels=None, rows_policy="no-pad-madeup",
             fractions=G.DEFAULT_FRACTIONS, preset=None, max_tokens=2048, ppl=True, figures=True,
-            device=None, max_points=3000) -> dict:
+            device=None, max_points=3000, word_sim=None, word_sim_spm=None, context_window=0,
+            tokens_per_sample=None) -> dict:
     """Programmatic entry point of the command; returns the report dict (also written to disk)."""
     fractions = _check_options(data, rows_policy, fractions)
+    word_sim_sets, word_sim_model = _word_sim_inputs(word_sim, word_sim_spm)
     device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     labels = _labels(paths, labels)
+    scored = data is not None and ppl
+    if not scored and (context_window or tokens_per_sample is not None):
+        raise AnalyzeError("--context-window and --tokens-per-sample set how --data is scored; "
+                           "pass --data DATA_BIN (without --no-ppl)")
     states = [load_checkpoint(p) for p in paths]  # fail on any bad path before any work
-    opts = AnalyzeOptions(data, split, rows_policy, fractions, preset, max_tokens, ppl, device)
+    if scored:  # refuse a context window that a checkpoint's task or block size rules out, before any work
+        for path, state in zip(paths, states):
+            scoring_tokens_per_sample(state, path, context_window, tokens_per_sample)
+    opts = AnalyzeOptions(data, split, rows_policy, fractions, preset, max_tokens, ppl, device,
+                          word_sim=word_sim_sets, word_sim_spm=word_sim_model,
+                          context_window=context_window, tokens_per_sample=tokens_per_sample)
     reports, spectra, panels = [], [], []
     for path, label, state in zip(paths, labels, states):
         rep, checkpoint_spectra, panel = checkpoint_report(path, label, state, opts)
@@ -300,7 +366,11 @@ def analyze(paths, data=None, split="valid", out="analysis", labels=None, rows_p
     report = OrderedDict(
         version=1,
         settings={"rows": rows_policy, "group_fractions": list(fractions), "group_preset": preset,
-                  "data": data, "split": split if data is not None and ppl else None},
+                  "data": data, "split": split if scored else None,
+                  "context_window": context_window if scored else None,
+                  "tokens_per_sample": tokens_per_sample if scored else None,
+                  "word_sim": [s.path for s in word_sim_sets] or None,
+                  "word_sim_spm": None if word_sim_spm is None else os.path.abspath(word_sim_spm)},
         checkpoints=reports, table=build_table(reports), figures={},
     )
     write_outputs(report, spectra, panels, out, figures, max_points)
@@ -310,7 +380,8 @@ def analyze(paths, data=None, split="valid", out="analysis", labels=None, rows_p
 def build_parser():
     p = argparse.ArgumentParser(
         prog="fairseq-agg-analyze",
-        description="Embedding report (TEV, isotropy, mean cosine, spectrum, per-group PPL) of fairseq checkpoints.",
+        description="Embedding report (TEV, isotropy, mean cosine, spectrum, per-group PPL, word similarity) "
+                    "of fairseq checkpoints.",
     )
     p.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT", help="fairseq checkpoint files (.pt)")
     p.add_argument("--data", metavar="DATA_BIN", help="data-bin directory: dictionaries and per-group perplexity")
@@ -321,10 +392,21 @@ def build_parser():
     p.add_argument("--group-fractions", default="0.3,0.5,0.2", help="frequent,medium,rare fractions of the non-special types")
     p.add_argument("--group-preset", choices=sorted(G.PRESETS), help="fixed id ranges instead of fractions")
     p.add_argument("--max-tokens", type=int, default=2048, help="tokens per batch when scoring (default: 2048)")
+    p.add_argument("--context-window", type=int, default=0, metavar="C",
+                   help="score a language model as fairseq-eval-lm --context-window C: blocks of "
+                        "tokens_per_sample - C tokens, each seeing up to C tokens before it (default: 0)")
+    p.add_argument("--tokens-per-sample", type=int, metavar="T",
+                   help="as fairseq-eval-lm --tokens-per-sample (default: the checkpoint's training value)")
     p.add_argument("--no-ppl", action="store_true", help="with --data, skip the perplexity (dictionaries only)")
     p.add_argument("--no-figures", action="store_true", help="write no PNG files")
     p.add_argument("--max-points", type=int, default=3000, help="points per group in projection.png (default: 3000)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even when a GPU is available")
+    p.add_argument("--word-sim", nargs="+", metavar="FILE",
+                   help="word-similarity files ('word1 word2 score' lines, e.g. WordSim-353, SimLex-999): "
+                        "Spearman's rho of embedding cosines vs the scores, per matrix (docs/stats.md)")
+    p.add_argument("--word-sim-spm", metavar="MODEL",
+                   help="sentencepiece model that splits --word-sim words into pieces (default: greedy "
+                        "longest match over the dictionary)")
     return p
 
 
@@ -344,6 +426,8 @@ def main(argv=None):
             rows_policy=args.rows, fractions=args.group_fractions, preset=args.group_preset,
             max_tokens=args.max_tokens, ppl=not args.no_ppl, figures=not args.no_figures,
             device="cpu" if args.cpu else None, max_points=args.max_points,
+            word_sim=args.word_sim, word_sim_spm=args.word_sim_spm,
+            context_window=args.context_window, tokens_per_sample=args.tokens_per_sample,
         )
     except AnalyzeError as e:
         parser.error(str(e))  # exits with status 2

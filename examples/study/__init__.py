@@ -1,0 +1,2 @@
+"""The measured study (``scripts/run_study.sh``, docs/study.md): every table and figure of
+docs/results.md from one resumable command, built on the two demos."""

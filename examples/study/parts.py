@@ -1,0 +1,152 @@
+"""What each part of the study trains: its runs (a method, model and budget each) and their
+fairseq-train commands, built from the demos' own tables and ``Demo.train_command``.
+
+A part's runs all share the demo's data, shared training flags and budget; a run changes only
+what it is about (the criterion and its flags, the depth, the tying of the embeddings).
+Budgets: ``smoke`` (a tiny model for a few updates: the CI check that every step works) and
+``default`` (the study; PROVISIONAL until timed on 2 idle cores, see docs/study.md).
+"""
+import dataclasses
+from typing import Dict, List, Tuple
+
+from examples.demo import run as lm_demo
+from examples.demo_mt import run as mt_demo
+
+PARTS = ("lm", "alpha", "depth", "mt")
+BUDGETS = ("smoke", "default")
+
+# The LM parts' tiny smoke model and budget (a few seconds of training on the test fixtures).
+LM_SMOKE_MODEL = ["--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
+                  "--decoder-attention-heads", "2"]
+LM_SMOKE = {"updates": 12, "max_tokens": 256, "tokens_per_sample": 64, "warmup": 4, "context_window": 16,
+            "uniq": {"n_prefixes": 8, "prefix_len": 8, "length": 16}}
+# PROVISIONAL defaults (not yet timed; the lead calibrates them so that a part takes <= 60 min on 2
+# idle cores): the demo's small model, longer than the demo so the baseline can approach convergence.
+LM_DEFAULT = {"updates": 1000, "max_tokens": 1024, "tokens_per_sample": 128, "warmup": 75, "context_window": 64,
+              # Welleck et al. (2020) use 50 + 100 tokens; the demo model has 128 positions
+              "uniq": {"n_prefixes": 200, "prefix_len": 32, "length": 64}}
+NARROW = ["--decoder-embed-dim", "64", "--decoder-ffn-embed-dim", "256", "--decoder-attention-heads", "4"]
+
+BUDGET = {
+    "lm": {
+        "smoke": dict(LM_SMOKE, model=LM_SMOKE_MODEL),
+        "default": dict(LM_DEFAULT, model=lm_demo.MODEL["quick"]),
+    },
+    "alpha": {
+        "smoke": dict(LM_SMOKE, model=LM_SMOKE_MODEL, alphas=[0.03, 0.3], normalized_alphas=[0.3]),
+        # log-spaced over 1.5 decades at the default threshold mode (auto = relative), and the
+        # other reading of g1 (a_k / alpha) at three of them
+        "default": dict(LM_DEFAULT, model=lm_demo.MODEL["quick"], alphas=[0.01, 0.02, 0.04, 0.08, 0.16, 0.3],
+                        normalized_alphas=[0.02, 0.08, 0.3]),
+    },
+    "depth": {
+        "smoke": dict(LM_SMOKE, model=LM_SMOKE_MODEL[2:], depths=[1, 2]),
+        "default": dict(LM_DEFAULT, updates=600, model=NARROW, depths=[2, 6, 12]),
+    },
+    "mt": {
+        "smoke": dict(mt_demo.BUDGET["quick"], updates=12, model=mt_demo.MODEL["quick"]),
+        "default": dict(mt_demo.BUDGET["default"], model=mt_demo.MODEL["default"]),
+    },
+}
+SEEDS = {"lm": [1, 2, 3], "alpha": [1], "depth": [1], "mt": [1, 2, 3]}  # PROVISIONAL for alpha and depth
+# more train_inner lines for the spike counts of the depth part: every max(10, updates // 100) updates
+LOG_LINES = {"lm": 20, "alpha": 20, "depth": 100, "mt": 10}
+SPIKE_DEFAULTS = {"window": 10, "gnorm_factor": 2.0, "loss_factor": 1.1}
+UNTIE = "--share-decoder-input-output-embed"
+
+
+def corpus_of(part):
+    """The demo whose data a part trains on: "lm" or "mt"."""
+    return "mt" if part == "mt" else "lm"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """One run of a part: its name (method and variant), seed and how to train it."""
+
+    part: str
+    name: str  # e.g. "baseline", "agg-a0.08", "mlra-matched-L6"
+    seed: int
+    method: dict  # criterion, arch, args, what (a demo's METHODS entry or a variant of one)
+    model: Tuple[str, ...]  # architecture flags
+    train_flags: Tuple[str, ...]  # the demo's shared flags (minus the tying for "untied")
+    group: Dict[str, object]  # what the report groups by: method, alpha, g1, depth, init
+
+    @property
+    def run_id(self):
+        return f"{self.name}-s{self.seed}"
+
+    @property
+    def corpus(self):
+        return corpus_of(self.part)
+
+    def train_command(self, budget_name, budget, updates, data_bin, run_dir, cpu):
+        """fairseq-train's argument list, by the demo's ``Demo.train_command``."""
+        base = mt_demo.DEMO if self.corpus == "mt" else lm_demo.DEMO
+        demo = dataclasses.replace(base, methods={self.name: self.method}, model={budget_name: list(self.model)},
+                                   budget={budget_name: budget}, train_flags=list(self.train_flags),
+                                   log_lines_per_run=LOG_LINES[self.part])
+        extra = []
+        if self.corpus == "lm":
+            # several validations, so that the learning curve and the convergence check have points
+            extra = ["--tokens-per-sample", str(budget["tokens_per_sample"]),
+                     "--validate-interval-updates", str(max(1, updates // 10))]
+        return demo.train_command(self.name, data_bin, run_dir, self.seed, budget_name, updates, cpu, extra)
+
+
+def _variant(method, what, args=None, arch=None):
+    out = dict(method, what=what)
+    if args is not None:
+        out["args"] = list(args)
+    if arch is not None:
+        out["arch"] = arch
+    return out
+
+
+def _named_methods(part, budget) -> List[Tuple[str, dict, Tuple[str, ...], Tuple[str, ...], dict]]:
+    """(name, method, model flags, train flags, group) of every run of ``part``, in table order."""
+    M, model, flags = lm_demo.METHODS, tuple(budget["model"]), tuple(lm_demo.COMMON_TRAIN)
+    if part == "lm":
+        out = []
+        for name in ("baseline", "untied", "agg", "al", "mlra", "freeze", "cosreg", "face", "ul"):
+            if name == "untied":
+                out.append((name, _variant(M["baseline"], "stock CE, untied input and output embeddings"), model,
+                            tuple(f for f in flags if f != UNTIE), {"method": name}))
+            else:
+                out.append((name, M[name], model, flags, {"method": name}))
+        return out
+    if part == "alpha":
+        out = [(m, M[m], model, flags, {"method": m}) for m in ("baseline", "freeze", "cosreg")]
+        for g1, alphas in (("code", budget["alphas"]), ("normalized", budget["normalized_alphas"])):
+            for a in alphas:
+                args = ["--agg-alpha", f"{a:g}"] + (["--agg-g1-mode", g1] if g1 != "code" else [])
+                name = f"agg-{'norm-' if g1 != 'code' else ''}a{a:g}"
+                out.append((name, _variant(M["agg"], f"AGG, alpha {a:g}, g1 mode {g1}", args), model, flags,
+                            {"method": "agg", "alpha": a, "g1": g1}))
+        return out
+    if part == "depth":
+        out = []
+        for depth in budget["depths"]:
+            deep = model + ("--decoder-layers", str(depth))
+            out.append((f"baseline-L{depth}", M["baseline"], deep, flags, {"method": "baseline", "depth": depth}))
+            for init in ("gpt2", "matched"):
+                out.append((f"mlra-{init}-L{depth}",
+                            _variant(M["mlra"], f"MLRA, --mlra-init {init}", ["--mlra-init", init]), deep, flags,
+                            {"method": f"mlra-{init}", "depth": depth, "init": init}))
+        return out
+    if part == "mt":
+        return [(m, mt_demo.METHODS[m], model, tuple(mt_demo.COMMON_TRAIN), {"method": m})
+                for m in ("baseline", "agg", "mlra")]
+    raise ValueError(f"unknown part {part!r}")
+
+
+def run_specs(part, budget_name, seeds) -> List[RunSpec]:
+    """Every run of ``part`` at ``budget_name``, seed by seed."""
+    budget = BUDGET[part][budget_name]
+    named = _named_methods(part, budget)
+    return [RunSpec(part=part, name=name, seed=seed, method=method, model=model, train_flags=flags, group=group)
+            for seed in seeds for name, method, model, flags, group in named]
+
+
+def run_names(part, budget_name) -> List[str]:
+    return [name for name, *_ in _named_methods(part, BUDGET[part][budget_name])]

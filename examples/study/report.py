@@ -1,0 +1,375 @@
+"""A part's tables, figures and numbers, made from its finished runs' result.json files alone
+(so ``--report`` can remake them at any time, with other spike settings too).
+
+Every cell is mean ± h over the seeds (h = half the range, :func:`examples.demo_common.fmt`);
+a ``*`` marks a method whose difference to the baseline exceeds the spread
+(:func:`examples.study.metrics.compare_to_baseline`).
+"""
+import os
+import shutil
+import time
+
+from examples.demo.wordsim import DATASETS
+from examples.demo_common import fmt, markdown_table, mean_spread, seed_band, write_json
+from examples.study.metrics import compare_to_baseline, convergence, count_spikes, group_shares
+from fairseq_agg.stats.plots import pyplot
+
+GROUPS = ("freq", "med", "rare")
+
+
+# ---------------------------------------------------------------------------- one run's numbers
+
+
+def output_matrix(report):
+    """The analysed matrix the tables use: the output embedding (``out`` when untied, else the
+    tied ``dec``), the matrix AGG's gates act on."""
+    mats = report["matrices"]
+    for name in ("out", "dec"):
+        if name in mats:
+            return name
+    return next(iter(mats))
+
+
+def analysis_numbers(report):
+    """The numbers of one checkpoint's fairseq-agg-analyze report (report.json schema)."""
+    name = output_matrix(report)
+    stats = report["matrices"][name]["all"]
+    out = {"matrix": name, "test_ppl": report["ppl"]["total"]["ppl"], "test_tokens": report["ppl"]["total"]["tokens"]}
+    for g in GROUPS:
+        out[f"test_ppl_{g}"] = report["ppl"]["groups"][g]["ppl"]
+    for key in ("isotropy", "isotropy_raw", "isotropy_fixed", "tev_mu", "tev_sigma", "mean_cos"):
+        out[key] = stats[key]
+    ws = report.get("word_similarity") or {}
+    out["word_similarity"] = {stem: by_matrix.get(name) for stem, by_matrix in ws.items()}
+    return out
+
+
+def generated_group_shares(generate_out, dict_path):
+    """{"hypothesis": {group: share}, "reference": {...}}: the frequency groups (the joined
+    dictionary's, as fairseq-agg-analyze forms them) of the target pieces fairseq-generate wrote
+    in its H and T lines; special symbols are not counted."""
+    from fairseq.data import Dictionary
+
+    from examples.textprep import read_generate
+    from fairseq_agg.stats.groups import GROUP_NAMES, frequency_groups, group_lookup
+
+    d = Dictionary.load(dict_path)
+    lookup = group_lookup(frequency_groups(d), len(d)).tolist()
+    out = {}
+    for side, prefix in (("hypothesis", "H"), ("reference", "T")):
+        seqs = [[d.index(piece) for piece in line.split()] for line in read_generate(generate_out, prefix)]
+        out[side] = group_shares(seqs, lookup, GROUP_NAMES)
+    return out
+
+
+def headline(part, res):
+    m = res["metrics"]
+    if part == "mt":
+        return f"BLEU {m['bleu']:.2f}, chrF {m['chrf']:.2f}"
+    text = f"test PPL {m['test_ppl']:.2f}, I(W) {m['isotropy']:.3f}"
+    if part == "depth":
+        text += f", µTEV {m['tev_mu']:.4f}"
+    if part == "lm":
+        text += f", Uniq {m['uniq']['uniq']}"
+    return text
+
+
+# ---------------------------------------------------------------------------- the table
+
+
+def _get(path):
+    def get(res):
+        v = res
+        for k in path:
+            if v is None:
+                return None
+            v = v.get(k) if isinstance(v, dict) else None
+        return v
+    return get
+
+
+def _pct(path):
+    get = _get(path)
+    return lambda res: None if get(res) is None else 100.0 * get(res)
+
+
+def columns(part, results, spikes):
+    """[(key, header, digits, getter)] of a part's table."""
+    m = lambda *k: _get(("metrics",) + k)  # noqa: E731
+    ppl = [("test_ppl", "test PPL", 2, m("test_ppl"))] + [
+        (f"test_ppl_{g}", f"test {g}", 1, m(f"test_ppl_{g}")) for g in GROUPS]
+    iso = [("isotropy", "I(W)", 3, m("isotropy")), ("isotropy_raw", "I(W) paper", 3, m("isotropy_raw"))]
+    train_s = ("train_seconds", "train s", 0, _get(("train_seconds",)))
+    if part == "lm":
+        cols = [("valid_ppl", "valid PPL", 2, m("valid_ppl"))] + ppl + iso + [
+            ("tev_mu", "µTEV", 4, m("tev_mu")), ("tev_sigma", "σTEV", 4, m("tev_sigma")),
+            ("mean_cos", "mean cos", 3, m("mean_cos"))]
+        stems = sorted({s for r in results for s in (r["metrics"].get("word_similarity") or {})})
+        for stem in stems:
+            shown = DATASETS.get(stem, stem)
+            cols.append((f"ws_{stem}", f"ρ {shown}", 3, m("word_similarity", stem, "single", "rho")))
+            cols.append((f"ws_{stem}_sub", f"ρ {shown} sub", 3, m("word_similarity", stem, "subword", "rho")))
+        return cols + [("uniq", "Uniq", 0, m("uniq", "uniq")), train_s]
+    if part == "alpha":
+        return [ppl[0], ppl[3]] + iso + [("mean_cos", "mean cos", 3, m("mean_cos")),
+                                         ("rare_tokens", "rare tok", 0, _get(("rare_tokens",))), train_s]
+    if part == "depth":
+        return [ppl[0], ("tev_mu", "µTEV", 4, m("tev_mu")), ("tev_sigma", "σTEV", 4, m("tev_sigma")),
+                ("gnorm_spikes", "gnorm spikes", 1, lambda r: len(run_spikes(r, spikes)["gnorm"])),
+                ("loss_spikes", "loss spikes", 1, lambda r: len(run_spikes(r, spikes)["loss"])),
+                ("max_gnorm", "max gnorm", 2, lambda r: max((v for _, v in r["curves"]["gnorm"]), default=None)),
+                train_s]
+    if part == "mt":
+        return [("bleu", "BLEU", 2, m("bleu")), ("chrf", "chrF", 2, m("chrf")),
+                ("bleu_ding", "BLEU Ding", 2, m("bleu_ding")), ("bleu_libreoffice", "BLEU LO", 2, m("bleu_libreoffice")),
+                ("rare_share", "rare % hyp", 2, _pct(("metrics", "token_groups", "hypothesis", "rare"))),
+                ("rare_share_ref", "rare % ref", 2, _pct(("metrics", "token_groups", "reference", "rare"))),
+                ("valid_nll", "valid nll", 3, m("valid_nll")), ("rare_tokens", "rare tok", 0, _get(("rare_tokens",))),
+                train_s]
+    raise ValueError(part)
+
+
+def run_spikes(res, spikes):
+    """{"gnorm": [update, ...], "loss": [...]}: the spikes of one run's train_inner values."""
+    out = {}
+    for key, curve, factor in (("gnorm", "gnorm", spikes["gnorm_factor"]), ("loss", "train_loss", spikes["loss_factor"])):
+        pts = res["curves"][curve]
+        out[key] = [pts[i][0] for i in count_spikes([v for _, v in pts], factor, spikes["window"])]
+    return out
+
+
+def baseline_of(part, name, groups):
+    """The run name a method is compared with: the baseline (at the same depth in the depth part)."""
+    if part == "depth":
+        return f"baseline-L{groups[name]['depth']}"
+    return "baseline"
+
+
+def summarise(part, names, by_name, cols, groups):
+    """{name: {key: {"mean", "spread", "values", "exceeds_baseline"}}} and the table's rows."""
+    summary, rows = {}, []
+    for name in names:
+        runs = by_name[name]
+        base = by_name.get(baseline_of(part, name, groups), [])
+        summary[name], row = {"seeds": [r["seed"] for r in runs]}, [name, str(len(runs))]
+        for key, _, digits, get in cols:
+            vals = [get(r) for r in runs]
+            exceeds = None if name == baseline_of(part, name, groups) else compare_to_baseline(vals, [get(r) for r in base])
+            mean, spread = mean_spread(vals)
+            summary[name][key] = {"mean": mean, "spread": spread, "values": vals, "exceeds_baseline": exceeds}
+            row.append(fmt(vals, digits) + (" *" if exceeds else ""))
+        rows.append(row)
+    return summary, rows
+
+
+# ---------------------------------------------------------------------------- figures
+
+
+def figure_curves(by_name, names, path, panels):
+    """Learning curves: per run name the mean over seeds and a min-max band."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5))
+    axes = [axes] if len(panels) == 1 else list(axes)
+    for ax, (key, ylabel, log) in zip(axes, panels):
+        for i, name in enumerate(names):
+            curves = [r["curves"][key] for r in by_name[name] if r["curves"].get(key)]
+            if not curves:
+                continue
+            u, mean, lo, hi = seed_band(curves)
+            line, = ax.plot(u, mean, label=name, linestyle=("-", "--", ":", "-.")[i % 4], marker="o" if len(u) < 12 else None)
+            if len(curves) > 1:
+                ax.fill_between(u, lo, hi, color=line.get_color(), alpha=0.2)
+        ax.set_xlabel("update")
+        ax.set_ylabel(ylabel)
+        if log:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
+    fig.suptitle("learning curves (mean over seeds; band: min-max)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def figure_group_ppl(summary, names, path):
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(names)), 4.5))
+    width = 0.27
+    for k, g in enumerate(GROUPS):
+        s = [summary[n][f"test_ppl_{g}"] for n in names]
+        ax.bar([i + (k - 1) * width for i in range(len(names))], [x["mean"] or 0 for x in s], width,
+               yerr=[x["spread"] or 0 for x in s], capsize=3, label=g)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
+    ax.set_ylabel("test perplexity (log scale)")
+    ax.set_title("test perplexity per frequency group (mean ± half range over seeds)")
+    ax.legend(title="group", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def figure_frontier(summary, names, groups, path):
+    """Test PPL against I(W) (headline and the paper's form): AGG's alpha sweep as lines, the
+    baseline, freezing and CosReg as single points."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
+    for ax, key, label in ((axes[0], "isotropy", "I(W), sign-symmetric (headline)"),
+                           (axes[1], "isotropy_raw", "I(W), eigenvectors as returned (AGG paper's form)")):
+        for g1, marker in (("code", "o"), ("normalized", "s")):
+            sweep = sorted((groups[n]["alpha"], n) for n in names if groups[n].get("g1") == g1)
+            if not sweep:
+                continue
+            xs = [summary[n][key] for _, n in sweep]
+            ys = [summary[n]["test_ppl"] for _, n in sweep]
+            ax.errorbar([x["mean"] for x in xs], [y["mean"] for y in ys], xerr=[x["spread"] or 0 for x in xs],
+                        yerr=[y["spread"] or 0 for y in ys], marker=marker, capsize=3, label=f"AGG, g1 {g1}")
+            for (alpha, _), x, y in zip(sweep, xs, ys):
+                ax.annotate(f"α={alpha:g}", (x["mean"], y["mean"]), textcoords="offset points", xytext=(4, 4),
+                            fontsize="x-small")
+        for n, marker in (("baseline", "*"), ("freeze", "D"), ("cosreg", "^")):
+            if n in names:
+                x, y = summary[n][key], summary[n]["test_ppl"]
+                ax.errorbar([x["mean"]], [y["mean"]], xerr=[x["spread"] or 0], yerr=[y["spread"] or 0],
+                            marker=marker, markersize=10, linestyle="none", capsize=3, label=n)
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("test perplexity")
+    axes[1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle("perplexity vs isotropy of the output embedding (mean ± half range over seeds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def figure_depth(summary, names, groups, path):
+    """µTEV, σTEV, test PPL and gradient-norm spikes against the depth, one line per variant."""
+    plt = pyplot()
+    panels = (("tev_mu", "µTEV"), ("tev_sigma", "σTEV"), ("test_ppl", "test perplexity"),
+              ("gnorm_spikes", "gradient-norm spikes (count)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.0 * len(panels), 4.2))
+    variants = []
+    for n in names:
+        if groups[n]["method"] not in variants:
+            variants.append(groups[n]["method"])
+    for ax, (key, ylabel) in zip(axes, panels):
+        for i, v in enumerate(variants):
+            pts = sorted((groups[n]["depth"], summary[n][key]) for n in names if groups[n]["method"] == v)
+            ax.errorbar([d for d, _ in pts], [s["mean"] for _, s in pts], yerr=[s["spread"] or 0 for _, s in pts],
+                        marker="osD^"[i % 4], linestyle=("-", "--", ":")[i % 3], capsize=3, label=v)
+        ax.set_xticks(sorted({groups[n]["depth"] for n in names}))
+        ax.set_xlabel("decoder layers")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[-1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle("by depth (mean ± half range over seeds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------- the report
+
+
+NOTES = {
+    "lm": "PPL per sentencepiece token on the test books (fairseq-agg-analyze); valid PPL = fairseq's last "
+          "validation. freq / med / rare = the 30 % / 50 % / 20 % most / medium / least frequent types. I(W) = "
+          "sign-symmetric isotropy (headline), I(W) paper = over the eigenvectors as returned (the AGG paper's "
+          "form), both of the output embedding (tied: the shared matrix; untied: the output projection). "
+          "ρ = Spearman correlation of word similarity (single-token pairs; sub = all pairs, subword average). "
+          "Uniq = distinct tokens in the greedy continuations of test prefixes.",
+    "alpha": "AGG at several α (g1 code = the released code, normalized = a_k / α) beside the baseline, "
+             "rare-token freezing and CosReg; columns as in the lm part; rare tok = AGG's rare set at the last update.",
+    "depth": "Narrow models at several depths: baseline vs MLRA (--mlra-init gpt2 and matched). µTEV / σTEV of the "
+             "tied embedding; a spike is a train_inner value above factor × the median of the previous window values.",
+    "mt": "The MT demo: sacreBLEU / chrF on the held-out test pairs (and BLEU per source); rare % = share of the "
+          "generated (hyp) and reference (ref) target pieces in the rare frequency group (non-special pieces).",
+}
+
+
+def make_report(part, a, budget, specs, results, out_dir, spikes, invocation_seconds):
+    """WORK/PART/report/: table.md, results.json and the part's figures; returns out_dir."""
+    os.makedirs(out_dir, exist_ok=True)
+    names, groups = [], {}
+    for s in specs:
+        if s.name not in groups:
+            names.append(s.name)
+            groups[s.name] = s.group
+    by_name = {n: sorted((r for r in results if r["name"] == n), key=lambda r: r["seed"]) for n in names}
+    names = [n for n in names if by_name[n]]
+    cols = columns(part, results, spikes)
+    summary, rows = summarise(part, names, by_name, cols, groups)
+    headers = ["run", "seeds"] + [h for _, h, _, _ in cols]
+    lines = [f"# Study part `{part}`", "",
+             f"Budget `{a.budget}`: {budget['updates']} updates per run; {len(results)} finished runs of "
+             f"{len(specs)} planned. Cells: mean±h over the seeds (h = half the range); `*`: the difference to "
+             "the baseline exceeds h + h_baseline (needs two seeds or more on both sides).", "",
+             markdown_table(headers, rows), "", NOTES[part], ""]
+    extra = {}
+    if part in ("lm", "alpha", "depth"):
+        conv = {}
+        for n in names:
+            conv[n] = [convergence(r["curves"]["valid_ppl"], r["updates"]) for r in by_name[n]]
+        extra["convergence"] = conv
+        base = "baseline" if "baseline" in conv else next((n for n in names if n.startswith("baseline")), None)
+        if base is not None:
+            changes = [c for c in conv[base] if c is not None]
+            if not changes:
+                lines.append(f"Convergence: {base} validated too rarely to tell (needs two validations in the last "
+                             "fifth of training).")
+            else:
+                worst = max(abs(c["change"]) for c in changes)
+                ok = all(c["converged"] for c in changes)
+                lines.append(f"Convergence: the {base} valid PPL changed by at most {100 * worst:.2f} % over the last "
+                             f"fifth of training (criterion < 1 %): {'met' if ok else '**NOT MET**: not converged'}.")
+            lines.append("")
+    if part == "lm":
+        refs = [r["metrics"]["uniq"]["uniq_reference"] for r in results if "uniq" in r["metrics"]]
+        u = results[0]["metrics"].get("uniq") or {}
+        if refs:
+            lines.append(f"Uniq: {u.get('prefixes')} test prefixes of {u.get('prefix_len')} tokens, {u.get('length')} "
+                         f"greedy tokens each; the reference continuations have {max(refs)} distinct tokens.")
+            lines.append("")
+        ws = results[0]["metrics"].get("word_similarity") or {}
+        pairs = [f"{DATASETS.get(stem, stem)} {v['single']['pairs']} single-token / {v['subword']['pairs']} all of "
+                 f"{v['total_pairs']}" for stem, v in sorted(ws.items()) if v]
+        if pairs:
+            lines += ["Word-similarity pairs scored: " + "; ".join(pairs) + ".", ""]
+    if part == "depth":
+        extra["spikes"] = {r["run_id"]: run_spikes(r, spikes) for r in results}
+        lines.append(f"Spikes: window {spikes['window']}, gnorm factor {spikes['gnorm_factor']}, loss factor "
+                     f"{spikes['loss_factor']}.")
+        lines.append("")
+    run_seconds = sum(r.get("wall_seconds") or 0.0 for r in results)
+    lines.append(f"Wall time: {run_seconds / 60:.1f} min of runs (sum over runs, training and evaluation); "
+                 f"this invocation: {invocation_seconds / 60:.1f} min.")
+    figures = {"curves": figure_curves(by_name, names, os.path.join(out_dir, "learning_curves.png"), [
+        ("train_loss", "train loss (bits/token)", False),
+        ("valid_ppl" if part != "mt" else "valid_loss", "valid PPL" if part != "mt" else "valid loss (bits/token)",
+         part != "mt")])}
+    if part == "lm":
+        figures["group_ppl"] = figure_group_ppl(summary, names, os.path.join(out_dir, "group_ppl.png"))
+        for n in names:
+            src = os.path.join(os.path.dirname(out_dir), by_name[n][0]["run_id"], "analysis", "projection.png")
+            if os.path.isfile(src):
+                figures[f"projection_{n}"] = shutil.copy(src, os.path.join(out_dir, f"projection-{n}.png"))
+    if part == "alpha":
+        figures["frontier"] = figure_frontier(summary, names, groups, os.path.join(out_dir, "frontier.png"))
+    if part == "depth":
+        figures["depth"] = figure_depth(summary, names, groups, os.path.join(out_dir, "depth.png"))
+    lines += ["", "Figures: " + ", ".join(os.path.basename(f) for f in figures.values())]
+    with open(os.path.join(out_dir, "table.md"), "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    write_json(os.path.join(out_dir, "results.json"), {
+        "part": part, "budget": a.budget, "updates": budget["updates"], "planned_runs": len(specs),
+        "finished_runs": len(results), "names": names, "groups": groups, "summary": summary,
+        "spike_settings": spikes, **extra, "wall": {"run_seconds": run_seconds, "invocation_seconds": invocation_seconds},
+        "figures": {k: os.path.basename(v) for k, v in figures.items()}, "made": time.time(),
+    })
+    return out_dir

