@@ -278,6 +278,20 @@ def test_greedy_continuations_of_a_real_checkpoint_are_its_argmax(work, repo_roo
     assert (work / "depth" / "report" / "depth.png").read_bytes()[:8] == PNG_MAGIC
 
 
+def test_lm_parts_decay_the_learning_rate_to_zero_and_the_mt_part_trains_the_demo_default():
+    flags = P.lm_train_flags()
+    assert flags[flags.index("--lr-scheduler") + 1] == "cosine" and "inverse_sqrt" not in flags
+    demo = list(P.lm_demo.COMMON_TRAIN)
+    i = demo.index("--lr-scheduler")
+    assert list(flags[:i]) == demo[:i] and list(flags[i + 2:]) == demo[i + 2:]  # nothing else changes
+    for part in ("lm", "alpha", "depth"):
+        spec = P.run_specs(part, "default", [1])[0]
+        assert spec.train_flags == flags
+    mt = P.run_specs("mt", "default", [1, 2, 3])
+    assert [s.run_id for s in mt] == ["baseline-s1", "agg-s1", "baseline-s2", "agg-s2", "baseline-s3", "agg-s3"]
+    assert all(s.train_flags == tuple(P.mt_demo.COMMON_TRAIN) for s in mt)
+
+
 def test_alpha_smoke_gives_the_frontier(work, repo_root, fixtures):
     proc, out = study(repo_root, smoke_args(fixtures, work, "alpha", "baseline", "agg-norm-a0.3"))
     assert proc.returncode == 0, out[-4000:]

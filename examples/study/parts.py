@@ -4,7 +4,7 @@ fairseq-train commands, built from the demos' own tables and ``Demo.train_comman
 A part's runs all share the demo's data, shared training flags and budget; a run changes only
 what it is about (the criterion and its flags, the depth, the tying of the embeddings).
 Budgets: ``smoke`` (a tiny model for a few updates: the CI check that every step works) and
-``default`` (the study; PROVISIONAL until timed on 2 idle cores, see docs/study.md).
+``default`` (the study, sized from timed runs on 2 idle cores: docs/study.md, "Budgets").
 """
 import dataclasses
 from typing import Dict, List, Tuple
@@ -20,11 +20,17 @@ LM_SMOKE_MODEL = ["--decoder-layers", "2", "--decoder-embed-dim", "32", "--decod
                   "--decoder-attention-heads", "2"]
 LM_SMOKE = {"updates": 12, "max_tokens": 256, "tokens_per_sample": 64, "warmup": 4, "context_window": 16,
             "uniq": {"n_prefixes": 8, "prefix_len": 8, "length": 16}}
-# PROVISIONAL defaults (not yet timed; the lead calibrates them so that a part takes <= 60 min on 2
-# idle cores): the demo's small model, longer than the demo so the baseline can approach convergence.
-LM_DEFAULT = {"updates": 1000, "max_tokens": 1024, "tokens_per_sample": 128, "warmup": 75, "context_window": 64,
+# The LM parts' default: the demo's quick model (2 layers, d = 64) for 2,400 updates of 1,024 tokens
+# (1.3 epochs), about 0.1 s per update with two runs on 2 cores, so that the lm part's 27 runs fit
+# about an hour (timed 2026-12-03: docs/study.md, "Budgets").
+LM_DEFAULT = {"updates": 2400, "max_tokens": 1024, "tokens_per_sample": 128, "warmup": 75, "context_window": 64,
               # Welleck et al. (2020) use 50 + 100 tokens; the demo model has 128 positions
               "uniq": {"n_prefixes": 200, "prefix_len": 32, "length": 64}}
+# The LM parts decay the learning rate to zero over the run (cosine) instead of the demo's
+# inverse-sqrt schedule, under which no affordable run converges: baseline runs of the quick model
+# reached valid PPL 67.7 after 5,000 inverse-sqrt updates, still falling 2.4 % per 500 updates,
+# while cosine runs changed by 0.8 % (2,500 updates) and 0.9 % (4,000) over their last fifth.
+LM_SCHEDULE = ("--lr-scheduler", "cosine")
 NARROW = ["--decoder-embed-dim", "64", "--decoder-ffn-embed-dim", "256", "--decoder-attention-heads", "4"]
 
 BUDGET = {
@@ -41,14 +47,18 @@ BUDGET = {
     },
     "depth": {
         "smoke": dict(LM_SMOKE, model=LM_SMOKE_MODEL[2:], depths=[1, 2]),
-        "default": dict(LM_DEFAULT, updates=600, model=NARROW, depths=[2, 6, 12]),
+        # 0.33 s per update at 12 layers (two runs on 2 cores): the part takes about 35 minutes
+        "default": dict(LM_DEFAULT, updates=1500, model=NARROW, depths=[2, 6, 12]),
     },
     "mt": {
-        "smoke": dict(mt_demo.BUDGET["quick"], updates=12, model=mt_demo.MODEL["quick"]),
-        "default": dict(mt_demo.BUDGET["default"], model=mt_demo.MODEL["default"]),
+        "smoke": dict(mt_demo.BUDGET["quick"], updates=12, model=mt_demo.MODEL["quick"],
+                      methods=["baseline", "agg", "mlra"]),
+        # six runs of ~20 minutes, two at a time: MLRA (another 20-30 minutes per seed) does not fit
+        # the part's hour; the MT demo trains it (--methods mlra)
+        "default": dict(mt_demo.BUDGET["default"], model=mt_demo.MODEL["default"], methods=["baseline", "agg"]),
     },
 }
-SEEDS = {"lm": [1, 2, 3], "alpha": [1], "depth": [1], "mt": [1, 2, 3]}  # PROVISIONAL for alpha and depth
+SEEDS = {"lm": [1, 2, 3], "alpha": [1], "depth": [1], "mt": [1, 2, 3]}
 # more train_inner lines for the spike counts of the depth part: every max(10, updates // 100) updates
 LOG_LINES = {"lm": 20, "alpha": 20, "depth": 100, "mt": 10}
 SPIKE_DEFAULTS = {"window": 10, "gnorm_factor": 2.0, "loss_factor": 1.1}
@@ -94,6 +104,14 @@ class RunSpec:
         return demo.train_command(self.name, data_bin, run_dir, self.seed, budget_name, updates, cpu, extra)
 
 
+def lm_train_flags() -> Tuple[str, ...]:
+    """The LM demo's shared fairseq-train flags with its schedule replaced by :data:`LM_SCHEDULE`."""
+    flags = list(lm_demo.COMMON_TRAIN)
+    i = flags.index("--lr-scheduler")
+    flags[i:i + 2] = LM_SCHEDULE
+    return tuple(flags)
+
+
 def _variant(method, what, args=None, arch=None):
     out = dict(method, what=what)
     if args is not None:
@@ -105,7 +123,7 @@ def _variant(method, what, args=None, arch=None):
 
 def _named_methods(part, budget) -> List[Tuple[str, dict, Tuple[str, ...], Tuple[str, ...], dict]]:
     """(name, method, model flags, train flags, group) of every run of ``part``, in table order."""
-    M, model, flags = lm_demo.METHODS, tuple(budget["model"]), tuple(lm_demo.COMMON_TRAIN)
+    M, model, flags = lm_demo.METHODS, tuple(budget["model"]), lm_train_flags()
     if part == "lm":
         out = []
         for name in ("baseline", "untied", "agg", "al", "mlra", "freeze", "cosreg", "face", "ul"):
@@ -136,7 +154,7 @@ def _named_methods(part, budget) -> List[Tuple[str, dict, Tuple[str, ...], Tuple
         return out
     if part == "mt":
         return [(m, mt_demo.METHODS[m], model, tuple(mt_demo.COMMON_TRAIN), {"method": m})
-                for m in ("baseline", "agg", "mlra")]
+                for m in budget["methods"]]
     raise ValueError(f"unknown part {part!r}")
 
 
