@@ -203,16 +203,24 @@ def preprocess(flags, log_dir, env, show=PREPROCESS_DONE):
         raise SystemExit(f"fairseq-preprocess failed; see {log_dir}/preprocess.log")
 
 
+def quiet_fairseq_logging():
+    """Imports fairseq's tasks, then lets this process log warnings only: that import runs
+    logging.basicConfig(level=DEBUG) (its text_to_speech task), after which every library the demos
+    use in-process (models and dictionaries loaded for Uniq or the MT token groups, matplotlib in
+    the figures) would print its DEBUG lines."""
+    import fairseq.tasks  # noqa: F401  (the import that configures logging)
+
+    logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", level=logging.WARNING,
+                        stream=sys.stderr, force=True)
+
+
 def registered_methods(methods):
     """{name: None if usable else the reason}; methods map to dicts with 'criterion' and 'arch'."""
     import fairseq_agg  # noqa: F401  (registers the plugin)
     from fairseq.criterions import CRITERION_REGISTRY
     from fairseq.models import ARCH_MODEL_REGISTRY
 
-    # importing fairseq's tasks runs logging.basicConfig(level=DEBUG) (its text_to_speech task),
-    # after which every library this process uses logs its DEBUG lines (matplotlib's in the
-    # figures): this process logs warnings only
-    logging.basicConfig(level=logging.WARNING, force=True)
+    quiet_fairseq_logging()
 
     out = {}
     for name, m in methods.items():

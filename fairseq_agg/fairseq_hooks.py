@@ -22,7 +22,7 @@ fairseq hands a criterion only ``(model, sample)``; the methods need a little mo
 
 * **criterion state in checkpoints**: fairseq saves and restores a criterion's ``state_dict`` only
   when the criterion has parameters (``Trainer.state_dict`` / ``load_checkpoint``).
-  :func:`add_state_anchor` gives a criterion one zero parameter so that its buffers (AGG's window)
+  :class:`CheckpointedState` gives a criterion one zero parameter so that its buffers (AGG's window)
   travel with every checkpoint. Side effects, all harmless: the anchor is in the optimizer's
   parameter list (its gradient is always 0, so Adam and weight decay keep it at 0), and under
   ``--ddp-backend c10d`` / ``legacy_ddp`` fairseq wraps the criterion in DDP too (the anchor joins
@@ -40,12 +40,15 @@ fairseq hands a criterion only ``(model, sample)``; the methods need a little mo
 """
 import argparse
 import inspect
+import logging
 import math
 import re
 import weakref
 from typing import List, Optional
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # --- the training loop ------------------------------------------------------------------------
 
@@ -169,10 +172,31 @@ def is_global_rank0() -> bool:
 # --- criterion state in checkpoints -------------------------------------------------------------
 
 
-def add_state_anchor(criterion: torch.nn.Module):
-    """Gives ``criterion`` the one zero parameter that makes fairseq checkpoint its state (see the
-    module docstring); the criterion adds ``0 * criterion.state_anchor.sum()`` to its loss."""
-    criterion.state_anchor = torch.nn.Parameter(torch.zeros(1))
+class CheckpointedState:
+    """Mixin of a criterion whose running counts travel with fairseq's checkpoints (AGG's window,
+    FACE's counts): ``STATE_MODULES`` names the submodules that hold them and ``STATE_NAME`` says
+    what they are in the log. :meth:`anchor_state` adds the one zero parameter that makes fairseq
+    save and restore the criterion's ``state_dict`` (see the module docstring), :meth:`anchored`
+    keeps it in the loss's graph. A checkpoint written by another criterion (a stock one: no state;
+    another stateful one: none of these submodules' keys), as when fine-tuning from it, starts the
+    counts empty; one that holds them is loaded strictly."""
+
+    STATE_MODULES = ()
+    STATE_NAME = "counts"
+
+    def anchor_state(self):
+        self.state_anchor = torch.nn.Parameter(torch.zeros(1))
+
+    def anchored(self, loss):
+        return loss + 0.0 * self.state_anchor.sum()  # keeps the anchor in the graph (DDP), adds nothing
+
+    def load_state_dict(self, state_dict, strict=True, **kwargs):
+        prefixes = tuple(f"{name}." for name in self.STATE_MODULES)
+        if state_dict is None or not any(key.startswith(prefixes) for key in state_dict):
+            logger.info(f"the checkpoint has no {self.STATE_NAME} of this criterion (written by another one): "
+                        "they start empty")
+            return None
+        return super().load_state_dict(state_dict, strict=strict, **kwargs)
 
 
 # --- dictionaries -------------------------------------------------------------------------------

@@ -197,6 +197,32 @@ def test_face_counts_are_checkpointed(lm_data_bin):
     assert restored.counter.counts.sum() > 0
 
 
+def test_counts_of_another_criterion_start_empty_and_own_counts_load_strictly(lm_data_bin):
+    face_flags = ["--criterion", "cross_entropy_face", "--face-frequency", "gt", "--face-window", "3"]
+    agg_flags = ["--criterion", "cross_entropy_agg", "--agg-window", "3"]
+    _, task, model, agg = build(lm_data_bin, TINY_LM_ARGS, agg_flags)
+    criterion_step(model, agg, first_batch(task))
+    _, _, _, face = build(lm_data_bin, TINY_LM_ARGS, face_flags)
+    criterion_step(model, face, first_batch(task))
+    agg_state, face_state = agg.state_dict(), face.state_dict()
+    assert any(k.startswith("window.") for k in agg_state) and any(k.startswith("counter.") for k in face_state)
+
+    # fine-tuning from a checkpoint of AGG, of FACE or of a stock criterion (no state): counts start empty
+    for fresh, foreign in ((face_flags, agg_state), (agg_flags, face_state), (face_flags, None)):
+        _, _, _, restored = build(lm_data_bin, TINY_LM_ARGS, fresh)
+        restored.load_state_dict(foreign)
+        counts = restored.counter.counts if hasattr(restored, "counter") else restored.window.counts
+        assert counts.sum() == 0
+
+    # its own counts load as they were, and a damaged copy of them is refused
+    _, _, _, restored = build(lm_data_bin, TINY_LM_ARGS, face_flags)
+    restored.load_state_dict(face_state)
+    assert torch.equal(restored.counter.counts, face.counter.counts) and face.counter.counts.sum() > 0
+    damaged = {k: v for k, v in face_state.items() if k != "counter.meta"}
+    with pytest.raises(RuntimeError, match="counter.meta"):
+        restored.load_state_dict(damaged)
+
+
 def test_face_cumulative_counts(lm_data_bin):
     extra = ["--criterion", "cross_entropy_face", "--face-frequency", "gt", "--face-cumulative", "--face-count-eos"]
     _, task, model, criterion = build(lm_data_bin, TINY_LM_ARGS, extra)

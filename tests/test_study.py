@@ -224,8 +224,11 @@ def test_lm_smoke_resumes_without_redoing_finished_runs(work, repo_root, fixture
     report = work / "lm" / "report"
     table = (report / "table.md").read_text()
     assert "| baseline | 1 |" in table and "| untied | 1 |" in table and "Convergence:" in table
-    for png in ("learning_curves.png", "group_ppl.png", "projection-baseline.png", "projection-untied.png"):
+    for png in ("learning_curves.png", "group_ppl.png", "projections.png"):
         assert (report / png).read_bytes()[:8] == PNG_MAGIC
+    # the projections are of both methods' checkpoints, drawn by fairseq-agg-analyze
+    drawn = json.load(open(report / "projections" / "report.json"))["checkpoints"]
+    assert [c["label"] for c in drawn] == ["baseline", "untied"]
 
     # again: nothing is trained, the results stay as they were
     before = {n: ((d / "result.json").read_bytes(), (d / "train.log").stat().st_mtime_ns) for n, d in runs.items()}

@@ -6,7 +6,6 @@ a ``*`` marks a method whose difference to the baseline exceeds the spread
 (:func:`examples.study.metrics.compare_to_baseline`).
 """
 import os
-import shutil
 import time
 
 from examples.demo.wordsim import DATASETS
@@ -293,8 +292,11 @@ NOTES = {
 }
 
 
-def make_report(part, a, budget, specs, results, out_dir, spikes, invocation_seconds):
-    """WORK/PART/report/: table.md, results.json and the part's figures; returns out_dir."""
+def make_report(part, a, budget, specs, results, out_dir, spikes, invocation_seconds, projection=None):
+    """WORK/PART/report/: table.md, results.json and the part's figures; returns out_dir.
+    ``projection(labels, checkpoints, png)``, when given, draws the lm part's embedding projections
+    (one panel per method, its first seed) into png: the one figure made from checkpoints, not from
+    result.json; it is left out when a checkpoint is gone."""
     os.makedirs(out_dir, exist_ok=True)
     names, groups = [], {}
     for s in specs:
@@ -355,10 +357,9 @@ def make_report(part, a, budget, specs, results, out_dir, spikes, invocation_sec
          part != "mt")])}
     if part == "lm":
         figures["group_ppl"] = figure_group_ppl(summary, names, os.path.join(out_dir, "group_ppl.png"))
-        for n in names:
-            src = os.path.join(os.path.dirname(out_dir), by_name[n][0]["run_id"], "analysis", "projection.png")
-            if os.path.isfile(src):
-                figures[f"projection_{n}"] = shutil.copy(src, os.path.join(out_dir, f"projection-{n}.png"))
+        ckpts = [os.path.join(os.path.dirname(out_dir), by_name[n][0]["run_id"], "checkpoint_last.pt") for n in names]
+        if projection is not None and all(os.path.isfile(c) for c in ckpts):
+            figures["projections"] = projection(names, ckpts, os.path.join(out_dir, "projections.png"))
     if part == "alpha":
         figures["frontier"] = figure_frontier(summary, names, groups, os.path.join(out_dir, "frontier.png"))
     if part == "depth":

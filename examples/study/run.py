@@ -11,7 +11,6 @@ run is never redone, an interrupted one starts again. Tables and figures go to W
 --report remakes them from the finished runs alone. Definitions: docs/study.md.
 """
 import argparse
-import logging
 import os
 import sys
 import threading
@@ -21,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from examples.demo import run as lm_demo
 from examples.demo import wordsim
 from examples.demo_common import (VOCAB, DataUnavailable, check_args, child_env, done_seconds, last_train_stats,
-                                  minutes, run_logged, train_curve)
+                                  minutes, quiet_fairseq_logging, run_logged, train_curve)
 from examples.demo_mt import run as mt_demo
 from examples.study import parts as P
 from examples.study import report as R
@@ -200,15 +199,6 @@ def check_finished_match(p, plans):
 # ---------------------------------------------------------------------------- running
 
 
-def quiet_fairseq_logging():
-    """This process loads models and dictionaries (Uniq, the MT token groups); importing fairseq's
-    tasks sets the root logger to DEBUG, which would flood the console: warnings only."""
-    import fairseq.tasks  # noqa: F401  (the import that configures logging)
-
-    logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", level=logging.WARNING,
-                        stream=sys.stderr, force=True)
-
-
 class Context:
     """What every run of one invocation shares."""
 
@@ -257,9 +247,9 @@ def evaluate_lm(ctx, spec, budget, directory, ckpt):
     """fairseq-agg-analyze on the test split (and Uniq for the lm part): the run's numbers."""
     data_bin = ctx.data["lm"][0]
     extra = analysis_flags(ctx, budget)
-    # the projection figure of every run of the lm part (the report shows one per method)
+    # the report draws the projections of all methods in one figure (projection_figure)
     rep = lm_demo.analyze([ckpt], [spec.run_id], data_bin, "test", os.path.join(directory, "analysis"), ctx.env,
-                          spec.part == "lm", extra)[spec.run_id]
+                          False, extra)[spec.run_id]
     out = {"analysis_flags": extra, **R.analysis_numbers(rep)}
     if spec.part == "lm":
         import torch
@@ -269,6 +259,23 @@ def evaluate_lm(ctx, spec, budget, directory, ckpt):
         torch.set_num_threads(ctx.a.threads)
         out["uniq"] = evaluate_uniq(ckpt, data_bin, "test", **uniq_settings(ctx.a))
     return out
+
+
+def projection_figure(ctx):
+    """make_report's ``projection``: fairseq-agg-analyze --no-ppl on the given checkpoints (with the
+    lm data's dictionary, for the frequency groups) draws every one on shared axes; None when the
+    data is not there (``--report`` on a copied work directory)."""
+    data_bin = data_dirs(ctx.a)["lm"]
+    if not os.path.isdir(data_bin):
+        return None
+
+    def draw(labels, checkpoints, png):
+        out_dir = os.path.splitext(png)[0]
+        lm_demo.analyze(checkpoints, labels, data_bin, "test", out_dir, ctx.env, True, ["--no-ppl"])
+        os.replace(os.path.join(out_dir, "projection.png"), png)
+        return png
+
+    return draw
 
 
 def evaluate_mt(ctx, spec, directory, ckpt, lines):
@@ -365,7 +372,8 @@ def main(argv=None):
             say(f"{TAG} {part}: no finished runs to report")
             continue
         out = R.make_report(part, a, budget, [e[0] for e in entries], results, os.path.join(a.work_dir, part, "report"),
-                            spike_settings(a), invocation_seconds=time.time() - t0)
+                            spike_settings(a), invocation_seconds=time.time() - t0,
+                            projection=projection_figure(ctx) if part == "lm" else None)
         say(f"{TAG} {part}: report in {out}")
     if failures:
         for part, run_id, why in failures:

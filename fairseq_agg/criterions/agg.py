@@ -19,7 +19,7 @@ from fairseq import metrics
 from fairseq.criterions import register_criterion
 from fairseq.dataclass import ChoiceEnum
 
-from fairseq_agg.fairseq_hooks import add_state_anchor, is_translation_task
+from fairseq_agg.fairseq_hooks import CheckpointedState, is_translation_task
 from fairseq_agg.ops.agg_gates import (
     RareTokenWindow, agg_gates, alpha_allowed_range, frozen_rare_rows, resolve_threshold,
 )
@@ -90,7 +90,9 @@ class AggCriterionConfig(AugmentedLossConfig):
 
 
 @register_criterion("cross_entropy_agg", dataclass=AggCriterionConfig)
-class AggCriterion(AugmentedLossMixin, OutputLossCriterion):
+class AggCriterion(CheckpointedState, AugmentedLossMixin, OutputLossCriterion):
+    STATE_MODULES, STATE_NAME = ("window",), "AGG counting window"
+
     def __init__(self, task, cfg: AggCriterionConfig):
         allowed_alpha, alpha_ok = alpha_allowed_range(cfg.agg_g1_mode)
         check_range("agg_alpha", cfg.agg_alpha, alpha_ok(cfg.agg_alpha), allowed_alpha)
@@ -99,7 +101,7 @@ class AggCriterion(AugmentedLossMixin, OutputLossCriterion):
         super().__init__(task, cfg)
         self.nspecial = self.dictionary.nspecial
         self.window = RareTokenWindow(len(self.dictionary), cfg.agg_window or None)
-        add_state_anchor(self)  # the window travels with every checkpoint
+        self.anchor_state()  # the window travels with every checkpoint
         self.threshold_mode, self.ref_tokens = resolve_threshold(
             cfg.agg_threshold_mode, cfg.agg_ref_tokens, is_translation_task(task)
         )
@@ -167,7 +169,7 @@ class AggCriterion(AugmentedLossMixin, OutputLossCriterion):
         return super().output_layer(hidden, weight, target, gates, teacher, frozen_rows=self.frozen_rows, **terms)
 
     def adjust_loss(self, loss):
-        loss = loss + 0.0 * self.state_anchor.sum()  # keeps the anchor in the graph (DDP), adds nothing
+        loss = self.anchored(loss)
         if self.cfg.agg_legacy_double_loss:
             loss = loss + loss.detach()
         return loss
@@ -200,9 +202,3 @@ class AggCriterion(AugmentedLossMixin, OutputLossCriterion):
         freeze_steps = total("agg_freeze_steps")
         if freeze_steps:
             metrics.log_scalar("agg_frozen", total("agg_frozen") / freeze_steps, freeze_steps, round=1)
-
-    def load_state_dict(self, state_dict, strict=True, **kwargs):
-        if state_dict is None:  # checkpoint written by another criterion
-            logger.info("checkpoint has no AGG counts: the counting window starts empty")
-            return
-        return super().load_state_dict(state_dict, strict=strict, **kwargs)

@@ -10,7 +10,6 @@ ranks, moved only in training, saved in the checkpoint), or over the whole run
 (``--face-cumulative``, the released code). Logged: ``face_weight``, the mean target weight.
 Defaults and the choices the paper leaves open: docs/baselines.md, "FACE".
 """
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -18,14 +17,12 @@ from fairseq import metrics
 from fairseq.criterions import register_criterion
 from fairseq.dataclass import ChoiceEnum
 
-from fairseq_agg.fairseq_hooks import add_state_anchor
+from fairseq_agg.fairseq_hooks import CheckpointedState
 from fairseq_agg.ops.agg_gates import RareTokenWindow
 from fairseq_agg.ops.face import FREQUENCIES, WEIGHINGS, CumulativeCounts, FaceWeights, counted_ids, face_token_weights
 
 from .target_counting import add_counts, open_update, set_epoch_window
 from .output_loss import OutputLossConfig, OutputLossCriterion, check_range
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,8 +54,10 @@ class FaceConfig(OutputLossConfig):
 
 
 @register_criterion("cross_entropy_face", dataclass=FaceConfig)
-class FaceCriterion(OutputLossCriterion):
+class FaceCriterion(CheckpointedState, OutputLossCriterion):
     """FACE-weighted (label-smoothed) cross-entropy; see the module docstring."""
+
+    STATE_MODULES, STATE_NAME = ("counter",), "FACE counts"
 
     def __init__(self, task, cfg: FaceConfig):
         check_range("face_window", cfg.face_window, cfg.face_window >= 0, ">= 1 (or 0 for auto)")
@@ -69,7 +68,7 @@ class FaceCriterion(OutputLossCriterion):
         else:
             self.counter = RareTokenWindow(vocab, cfg.face_window or None)
         self.uncounted = None if cfg.face_count_eos else self.dictionary.eos()
-        add_state_anchor(self)  # the counts travel with every checkpoint
+        self.anchor_state()  # the counts travel with every checkpoint
 
     def on_train_batches(self, batches_per_epoch):
         set_epoch_window(self.counter, batches_per_epoch, self.cfg.update_freq, "FACE", "--face-window")
@@ -98,7 +97,7 @@ class FaceCriterion(OutputLossCriterion):
         return loss, nll, {"face_weight": weight_sum.data}
 
     def adjust_loss(self, loss):
-        return loss + 0.0 * self.state_anchor.sum()  # keeps the anchor in the graph (DDP), adds nothing
+        return self.anchored(loss)
 
     @classmethod
     def reduce_extra_metrics(cls, logging_outputs, total):
@@ -106,9 +105,3 @@ class FaceCriterion(OutputLossCriterion):
         ntokens = total("ntokens")
         if ntokens:
             metrics.log_scalar("face_weight", total("face_weight") / ntokens, ntokens, round=4)
-
-    def load_state_dict(self, state_dict, strict=True, **kwargs):
-        if state_dict is None:  # checkpoint written by another criterion
-            logger.info("checkpoint has no FACE counts: counting starts empty")
-            return
-        return super().load_state_dict(state_dict, strict=strict, **kwargs)
