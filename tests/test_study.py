@@ -101,8 +101,10 @@ def test_report_marks_the_methods_that_differ_beyond_the_spread(tmp_path):
                result("freeze", 1, 101.0, 0.55), result("freeze", 2, 103.0, 0.65)]
     a = types.SimpleNamespace(budget="smoke", jobs=2)
     spikes = dict(P.SPIKE_DEFAULTS)
-    out = R.make_report("alpha", a, P.BUDGET["alpha"]["smoke"], specs, results, str(tmp_path), spikes, 1.0)
+    invocations = [{"seconds": 90.0, "runs_trained": 6}, {"seconds": 30.0, "runs_trained": 1}]
+    out = R.make_report("alpha", a, P.BUDGET["alpha"]["smoke"], specs, results, str(tmp_path), spikes, invocations)
     table = open(os.path.join(out, "table.md"), encoding="utf-8").read()
+    assert "6.0 min of runs" in table and "trained them: 1.5 min (6 runs); 0.5 min (1 run)." in table
     rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines() if line.startswith("| ")}
     # test PPL: agg 110.5 ± 0.5 vs 101 ± 1 -> marked; freeze 102 ± 1 vs 101 ± 1 -> not
     assert "| 110.50±0.50 * |" in rows["agg-a0.03"] and "| 102.00±1.00 |" in rows["freeze"]
@@ -249,6 +251,10 @@ def test_lm_smoke_resumes_without_redoing_finished_runs(work, repo_root, fixture
     (report / "table.md").unlink()
     proc, out = study(repo_root, args + ["--report"])
     assert proc.returncode == 0 and (report / "table.md").is_file() and "start " not in out
+    # ... keeping the wall times of the two invocations that trained (2 runs, then 1), not this one's
+    trained = json.load(open(work / "lm" / "invocations.json"))
+    assert [r["runs_trained"] for r in trained] == [2, 1] and all(r["seconds"] > 0 for r in trained)
+    assert "(2 runs); " in (report / "table.md").read_text()
     # other flags on the same work directory: refused, nothing touched
     proc, out = study(repo_root, args + ["--updates", "10"])
     assert proc.returncode == 2 and "made with other flags" in proc.stderr

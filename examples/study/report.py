@@ -292,8 +292,9 @@ NOTES = {
 }
 
 
-def make_report(part, a, budget, specs, results, out_dir, spikes, invocation_seconds, projection=None):
+def make_report(part, a, budget, specs, results, out_dir, spikes, invocations, projection=None):
     """WORK/PART/report/: table.md, results.json and the part's figures; returns out_dir.
+    ``invocations``: the records of the invocations that trained the part's runs (store.py).
     ``projection(labels, checkpoints, png)``, when given, draws the lm part's embedding projections
     (one panel per method, its first seed) into png: the one figure made from checkpoints, not from
     result.json; it is left out when a checkpoint is gone."""
@@ -349,8 +350,10 @@ def make_report(part, a, budget, specs, results, out_dir, spikes, invocation_sec
                      f"{spikes['loss_factor']}.")
         lines.append("")
     run_seconds = sum(r.get("wall_seconds") or 0.0 for r in results)
+    trained = "; ".join(f"{r['seconds'] / 60:.1f} min ({r['runs_trained']} run{'' if r['runs_trained'] == 1 else 's'})"
+                        for r in invocations)
     lines.append(f"Wall time: {run_seconds / 60:.1f} min of runs (sum over runs, training and evaluation); "
-                 f"this invocation: {invocation_seconds / 60:.1f} min.")
+                 f"the invocations that trained them: {trained or 'none recorded'}.")
     figures = {"curves": figure_curves(by_name, names, os.path.join(out_dir, "learning_curves.png"), [
         ("train_loss", "train loss (bits/token)", False),
         ("valid_ppl" if part != "mt" else "valid_loss", "valid PPL" if part != "mt" else "valid loss (bits/token)",
@@ -370,7 +373,7 @@ def make_report(part, a, budget, specs, results, out_dir, spikes, invocation_sec
     write_json(os.path.join(out_dir, "results.json"), {
         "part": part, "budget": a.budget, "updates": budget["updates"], "planned_runs": len(specs),
         "finished_runs": len(results), "names": names, "groups": groups, "summary": summary,
-        "spike_settings": spikes, **extra, "wall": {"run_seconds": run_seconds, "invocation_seconds": invocation_seconds},
+        "spike_settings": spikes, **extra, "wall": {"run_seconds": run_seconds, "invocations": invocations},
         "figures": {k: os.path.basename(v) for k, v in figures.items()}, "made": time.time(),
     })
     return out_dir

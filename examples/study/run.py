@@ -208,7 +208,6 @@ class Context:
         self.data = {}  # corpus -> (data-bin, data stamp)
         self.eval_dir = None  # MT: the directory scored by beam search
         self.word_sim = []  # fairseq-agg-analyze's --word-sim flags
-        self.git = store.git_state()
 
     def prepare(self, corpus, budget):
         """The demo's data preparation (cached in WORK/_data/CORPUS), once per corpus."""
@@ -294,7 +293,7 @@ def execute(ctx, part, budget, spec, directory, cmd, key):
     store.write_json_atomic(os.path.join(directory, store.RUN_JSON), {
         "part": part, "run_id": spec.run_id, "name": spec.name, "seed": spec.seed, "group": spec.group,
         "what": spec.method.get("what"), "budget": ctx.a.budget, "updates": budget["updates"], "command": cmd,
-        "key": key, "data": {"data_bin": data_bin, "stamp": stamp}, "git": ctx.git, "started": time.time(),
+        "key": key, "data": {"data_bin": data_bin, "stamp": stamp}, "git": store.git_state(), "started": time.time(),
     })
     t0 = time.time()
     rc, lines, wall = run_logged(cmd, os.path.join(directory, "train.log"), f"[{part}/{spec.run_id}] ", ctx.env,
@@ -364,15 +363,18 @@ def main(argv=None):
     failures = []
     for part in a.part:
         budget, entries = plans[part]
-        t0 = time.time()
+        t0, part_dir = time.time(), os.path.join(a.work_dir, part)
+        to_train = sum(1 for e in entries if e[4] is None)
         if not a.report:
             failures += [(part, *f) for f in run_part(ctx, part, budget, entries)]
+            if to_train:
+                store.record_invocation(part_dir, time.time() - t0, to_train, store.git_state())
         results = [done[1] for done in (store.finished(d) for _, d, *_ in entries) if done is not None]
         if not results:
             say(f"{TAG} {part}: no finished runs to report")
             continue
-        out = R.make_report(part, a, budget, [e[0] for e in entries], results, os.path.join(a.work_dir, part, "report"),
-                            spike_settings(a), invocation_seconds=time.time() - t0,
+        out = R.make_report(part, a, budget, [e[0] for e in entries], results, os.path.join(part_dir, "report"),
+                            spike_settings(a), store.read_invocations(part_dir),
                             projection=projection_figure(ctx) if part == "lm" else None)
         say(f"{TAG} {part}: report in {out}")
     if failures:

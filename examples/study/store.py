@@ -5,11 +5,13 @@ import json
 import os
 import shutil
 import subprocess
+import time
 
 from examples.demo_common import REPO
 
 RUN_JSON = "run.json"
 RESULT_JSON = "result.json"
+INVOCATIONS_JSON = "invocations.json"  # WORK/PART/: every invocation that trained runs of the part
 
 
 def write_json_atomic(path, obj):
@@ -43,6 +45,21 @@ def start_clean(directory):
     """An empty run directory (whatever an interrupted attempt left is removed)."""
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(directory)
+
+
+def read_invocations(part_dir):
+    """The records of WORK/PART/invocations.json, oldest first ([] when none)."""
+    path = os.path.join(part_dir, INVOCATIONS_JSON)
+    return read_json(path) if os.path.isfile(path) else []
+
+
+def record_invocation(part_dir, seconds, runs_trained, git):
+    """Appends one invocation that trained runs (its wall time, how many runs it trained, the
+    checkout) to WORK/PART/invocations.json, so that the part's measured time survives every later
+    ``--report`` and resumed invocation."""
+    records = read_invocations(part_dir)
+    records.append({"finished": time.time(), "seconds": seconds, "runs_trained": runs_trained, "git": git})
+    write_json_atomic(os.path.join(part_dir, INVOCATIONS_JSON), records)
 
 
 def run_key(cmd, data_bin, directory, data_flags, evaluation):
