@@ -176,8 +176,8 @@ class CheckpointedState:
     """Mixin of a criterion whose running counts travel with fairseq's checkpoints (AGG's window,
     FACE's counts): ``STATE_MODULES`` names the submodules that hold them and ``STATE_NAME`` says
     what they are in the log. :meth:`anchor_state` adds the one zero parameter that makes fairseq
-    save and restore the criterion's ``state_dict`` (see the module docstring), :meth:`anchored`
-    keeps it in the loss's graph. A checkpoint written by another criterion (a stock one: no state;
+    save and restore the criterion's ``state_dict`` (see the module docstring), and the
+    criterion's ``adjust_loss`` hook keeps it in the loss's graph. A checkpoint written by another criterion (a stock one: no state;
     another stateful one: none of these submodules' keys), as when fine-tuning from it, starts the
     counts empty; one that holds them is loaded strictly."""
 
@@ -187,8 +187,9 @@ class CheckpointedState:
     def anchor_state(self):
         self.state_anchor = torch.nn.Parameter(torch.zeros(1))
 
-    def anchored(self, loss):
-        return loss + 0.0 * self.state_anchor.sum()  # keeps the anchor in the graph (DDP), adds nothing
+    def adjust_loss(self, loss):
+        loss = loss + 0.0 * self.state_anchor.sum()  # keeps the anchor in the graph (DDP), adds nothing
+        return super().adjust_loss(loss)
 
     def load_state_dict(self, state_dict, strict=True, **kwargs):
         prefixes = tuple(f"{name}." for name in self.STATE_MODULES)

@@ -321,7 +321,9 @@ def execute(ctx, part, budget, spec, directory, cmd, key):
 
 
 def run_part(ctx, part, budget, entries):
-    """Trains and evaluates the part's unfinished runs, ``--jobs`` at a time; returns the failures."""
+    """Trains and evaluates the part's unfinished runs, ``--jobs`` at a time, and records the
+    invocation's wall time (store.record_invocation); returns the failures."""
+    started = time.time()
     pending = [e for e in entries if e[4] is None]
     done = len(entries) - len(pending)
     if done:
@@ -352,6 +354,7 @@ def run_part(ctx, part, budget, entries):
             eta = (time.time() - t0) / finished * (len(pending) - finished)
             say(f"{TAG} {part}: done {spec.run_id} ({finished} of {len(pending)}) in {res['wall_seconds']:.0f} s: "
                 f"{R.headline(part, res)}; about {minutes(eta)} left in this part")
+    store.record_invocation(os.path.join(ctx.a.work_dir, part), time.time() - started, len(pending))
     return failures
 
 
@@ -363,19 +366,16 @@ def main(argv=None):
     failures = []
     for part in a.part:
         budget, entries = plans[part]
-        t0, part_dir = time.time(), os.path.join(a.work_dir, part)
-        to_train = sum(1 for e in entries if e[4] is None)
+        part_dir = os.path.join(a.work_dir, part)
         if not a.report:
             failures += [(part, *f) for f in run_part(ctx, part, budget, entries)]
-            if to_train:
-                store.record_invocation(part_dir, time.time() - t0, to_train, store.git_state())
         results = [done[1] for done in (store.finished(d) for _, d, *_ in entries) if done is not None]
         if not results:
             say(f"{TAG} {part}: no finished runs to report")
             continue
         out = R.make_report(part, a, budget, [e[0] for e in entries], results, os.path.join(part_dir, "report"),
                             spike_settings(a), store.read_invocations(part_dir),
-                            projection=projection_figure(ctx) if part == "lm" else None)
+                            projection=projection_figure(ctx))
         say(f"{TAG} {part}: report in {out}")
     if failures:
         for part, run_id, why in failures:

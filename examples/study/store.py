@@ -53,12 +53,13 @@ def read_invocations(part_dir):
     return read_json(path) if os.path.isfile(path) else []
 
 
-def record_invocation(part_dir, seconds, runs_trained, git):
+def record_invocation(part_dir, seconds, runs_trained):
     """Appends one invocation that trained runs (its wall time, how many runs it trained, the
     checkout) to WORK/PART/invocations.json, so that the part's measured time survives every later
     ``--report`` and resumed invocation."""
     records = read_invocations(part_dir)
-    records.append({"finished": time.time(), "seconds": seconds, "runs_trained": runs_trained, "git": git})
+    records.append({"finished": time.time(), "seconds": seconds, "runs_trained": runs_trained,
+                    "git": git_state()})
     write_json_atomic(os.path.join(part_dir, INVOCATIONS_JSON), records)
 
 

@@ -169,7 +169,7 @@ class AggCriterion(CheckpointedState, AugmentedLossMixin, OutputLossCriterion):
         return super().output_layer(hidden, weight, target, gates, teacher, frozen_rows=self.frozen_rows, **terms)
 
     def adjust_loss(self, loss):
-        loss = self.anchored(loss)
+        loss = super().adjust_loss(loss)
         if self.cfg.agg_legacy_double_loss:
             loss = loss + loss.detach()
         return loss

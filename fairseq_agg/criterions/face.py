@@ -96,9 +96,6 @@ class FaceCriterion(CheckpointedState, OutputLossCriterion):
         weight_sum = face.weight_sum if face.weight_sum is not None else torch.zeros((), device=target.device)
         return loss, nll, {"face_weight": weight_sum.data}
 
-    def adjust_loss(self, loss):
-        return self.anchored(loss)
-
     @classmethod
     def reduce_extra_metrics(cls, logging_outputs, total):
         super().reduce_extra_metrics(logging_outputs, total)
