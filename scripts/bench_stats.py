@@ -6,7 +6,7 @@
 2. Overhead of live logging on a small real fairseq-train LM run at the recommended interval
    (--embed-stats-interval 100; isotropy every 10 x 100 = 1000 updates; both at validation):
    the same run with and without the statistics, interleaved, plus the time spent inside
-   ``log_embedding_stats`` itself (every call, measured in the training process).
+   ``EmbeddingStats.log`` itself (every call, measured in the training process).
 
 Usage: python scripts/bench_stats.py [--vocab 50000 --dim 1024] [--updates 1000] [--max-tokens 1024] [--repeats 2]
        [--device cpu|cuda] [--skip-train] [--skip-metrics]
@@ -17,25 +17,18 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 import torch
+
+from output_problem import wall_seconds
+from synthetic_text import markov_sentences, write_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _timed(fn, device, repeats=3):
     fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    return best
+    return min(wall_seconds(fn, device) for _ in range(repeats))
 
 
 def bench_metrics(V, d, device, repeats):
@@ -101,7 +94,7 @@ WORKER_CODE = r"""
 import json, sys, time
 from fairseq_agg.stats import live
 calls = {"n": 0, "t": 0.0}
-orig = live.EmbeddingStatsMixin.log_embedding_stats
+orig = live.EmbeddingStats.log
 def timed(self, model, logging_output=None):
     t = time.perf_counter()
     try:
@@ -109,7 +102,7 @@ def timed(self, model, logging_output=None):
     finally:
         calls["n"] += 1
         calls["t"] += time.perf_counter() - t
-live.EmbeddingStatsMixin.log_embedding_stats = timed
+live.EmbeddingStats.log = timed
 from fairseq_cli import train
 sys.argv = ["fairseq-train"] + json.loads(sys.argv[1])
 t0 = time.perf_counter()
@@ -120,16 +113,17 @@ print("BENCH_RESULT " + json.dumps({"total_s": total, "stats_s": calls["t"], "ca
 
 
 def _make_data(root):
-    from fairseq_agg.testing import fairseq_runs as fr
-
     raw = os.path.join(root, "raw")
     os.makedirs(raw, exist_ok=True)
-    sents = fr.markov_sentences(12000, n_words=5000, seed=0)
-    fr.write_lines(os.path.join(raw, "train.txt"), sents[:11000])
-    fr.write_lines(os.path.join(raw, "valid.txt"), sents[11000:])
+    sents = markov_sentences(12000, n_words=5000, seed=0)
+    write_lines(os.path.join(raw, "train.txt"), sents[:11000])
+    write_lines(os.path.join(raw, "valid.txt"), sents[11000:])
     dest = os.path.join(root, "bin")
-    fr.run_cli("fairseq-preprocess", ["--only-source", "--trainpref", f"{raw}/train.txt", "--validpref",
-                                      f"{raw}/valid.txt", "--destdir", dest, "--workers", "1"])
+    preprocess = os.path.join(os.path.dirname(sys.executable), "fairseq-preprocess")
+    proc = subprocess.run([preprocess, "--only-source", "--trainpref", f"{raw}/train.txt", "--validpref",
+                           f"{raw}/valid.txt", "--destdir", dest, "--workers", "1"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"fairseq-preprocess failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return dest
 
 
@@ -159,7 +153,7 @@ def bench_training(updates, repeats, threads, max_tokens=1024):
                     sys.exit(f"training run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
                 res = json.loads(line[0][len("BENCH_RESULT "):])
                 runs[name].append(res)
-                print(f"  run {rep + 1} {name:5s}: total {res['total_s']:.1f} s, inside log_embedding_stats "
+                print(f"  run {rep + 1} {name:5s}: total {res['total_s']:.1f} s, inside EmbeddingStats.log "
                       f"{res['stats_s'] * 1000:.1f} ms over {res['calls']} calls")
         off = min(r["total_s"] for r in runs["off"])
         on = min(r["total_s"] for r in runs["stats"])
@@ -172,8 +166,8 @@ def bench_training(updates, repeats, threads, max_tokens=1024):
         print(f"| {'training wall time, statistics off (best of %d)' % repeats:52s} | {off:10.2f} s |")
         print(f"| {'training wall time, --embed-stats-interval 100':52s} | {on:10.2f} s |")
         print(f"| {'wall-time ratio on / off':52s} | {on / off:12.4f} |")
-        print(f"| {'time inside log_embedding_stats / training time':52s} | {100 * inside:10.3f} % |")
-        print(f"| {'time inside log_embedding_stats with stats off':52s} | {1000 * inside_off:9.2f} ms |")
+        print(f"| {'time inside EmbeddingStats.log / training time':52s} | {100 * inside:10.3f} % |")
+        print(f"| {'time inside EmbeddingStats.log with stats off':52s} | {1000 * inside_off:9.2f} ms |")
         return {"off_s": off, "on_s": on, "ratio": on / off, "inside_fraction": inside}
 
 

@@ -35,7 +35,8 @@ if ! "$vpy" -c "import torch" >/dev/null 2>&1; then
   "$vpy" -m pip install -q "torch==${FAIRSEQ_AGG_TORCH_VERSION:-2.13.0}" \
     ${FAIRSEQ_AGG_TORCH_INDEX_URL:+--index-url "$FAIRSEQ_AGG_TORCH_INDEX_URL"}
 fi
-# numpy < 2: fairseq's TokenBlockDataset (--sample-break-mode eos/complete) uses np.compat, gone in 2.0
+# numpy < 2 for the fairseq built here: fairseq 0.12's TokenBlockDataset (--sample-break-mode eos)
+# and LanguagePairDataset (--num-batch-buckets) use np.compat, gone in numpy 2
 "$vpy" -m pip install -q "cython<3.1" "numpy<2"
 if ! "$vpy" -c "import fairseq" >/dev/null 2>&1; then
   echo "[setup] building fairseq-fixed 0.12.3.1 from source (takes a few minutes)"

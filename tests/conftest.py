@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from fairseq_agg.testing import fairseq_runs
+import fairseq_runs
 
 
 @pytest.fixture(scope="session")

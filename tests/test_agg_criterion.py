@@ -15,11 +15,11 @@ from fairseq.data import iterators
 from fairseq.trainer import Trainer
 
 from fairseq_agg.criterions.agg import AggCriterion
-from fairseq_agg.testing.reference import reference_output_loss
-from fairseq_agg.testing.fairseq_runs import TINY_LM_ARGS, TINY_MT_ARGS, USER_DIR, read_json_log, run_cli
-from fairseq_agg.testing.fairseq_runs import build_parts as build
-from fairseq_agg.testing.fairseq_runs import criterion_from_flags, non_pad_features
-from fairseq_agg.testing.fairseq_runs import parse_config as parse
+from reference_constructions import reference_output_loss
+from fairseq_runs import TINY_LM_ARGS, TINY_MT_ARGS, USER_DIR, read_json_log, run_cli
+from fairseq_runs import build_parts as build
+from fairseq_runs import criterion_from_flags, non_pad_features
+from fairseq_runs import parse_config as parse
 
 torch.set_num_threads(2)
 
@@ -75,7 +75,7 @@ def compare_with_stock(model, agg, stock, sample, weight_name):
     model.train()
     agg.set_update_num(0)
     loss_a, size_a, log_a, grads_a = forward_backward(model, agg, sample)
-    gates = agg._last_gates
+    gates = agg.last_gates
     loss_s, size_s, log_s, grads_s = forward_backward(model, stock, sample)
 
     # logged values mean the same thing

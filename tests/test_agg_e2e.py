@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from fairseq_agg.testing.fairseq_runs import TINY_LM_ARGS, TINY_MT_ARGS, USER_DIR, read_json_log, run_cli
+from fairseq_runs import TINY_LM_ARGS, TINY_MT_ARGS, USER_DIR, read_json_log, run_cli
 
 N = 16  # resume point: mid-epoch (one epoch of the tiny LM data is 28 updates)
 VOLATILE = {"wps", "ups", "wall", "train_wall", "gb_free"}  # timing fields of the json log

@@ -3,7 +3,7 @@
 Two kinds of checks:
 
 * the fused, chunked Function against the official three-CE construction
-  (``fairseq_agg.testing.reference.reference_output_loss``): loss, dL/dH and dL/dW, fp32, <= 1e-6
+  (``reference_output_loss`` of scripts/reference_constructions.py): loss, dL/dH and dL/dW, fp32, <= 1e-6
   relative, for eps in {0, 0.1}, rare and very-rare targets, tied and untied W, several chunk sizes;
 * independent checks of the gate semantics themselves, against a gate matrix written out by hand
   and against fairseq's own ``label_smoothed_nll_loss`` / torch autograd, because the fused function
@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
 
 from fairseq_agg.ops.agg_gates import TokenGates, agg_gates
-from fairseq_agg.ops.fused_linear_loss import fused_linear_loss
-from fairseq_agg.testing.reference import gate_matrix, reference_output_loss
+from fairseq_agg.ops.fused_linear_loss import LossRequest, fused_linear_loss
+from reference_constructions import gate_matrix, reference_output_loss
 
 torch.set_num_threads(2)
 
@@ -68,7 +68,8 @@ def problem_targets(n, seed=0):
 
 
 def run_fused(hidden_fn, params, target, eps, gates, chunk):
-    loss, nll, _ = fused_linear_loss(*hidden_fn(*params), target, eps, gates=gates, chunk_size=chunk)
+    out = fused_linear_loss(*hidden_fn(*params), target, LossRequest(eps, gates=gates, chunk_size=chunk))
+    loss, nll = out.loss, out.nll
     loss.backward()
     return loss.detach(), nll.detach(), [p.grad.clone() for p in params]
 
@@ -143,7 +144,8 @@ def test_ungated_matches_fairseq_label_smoothed_loss_and_autograd(eps):
 
     for chunk in (1, 7, 1000):
         h, w = (p.clone().requires_grad_() for p in base)
-        loss, nll, _ = fused_linear_loss(h, w, target, eps, chunk_size=chunk)
+        out = fused_linear_loss(h, w, target, LossRequest(eps, chunk_size=chunk))
+        loss, nll = out.loss, out.nll
         loss.backward()
         assert rel_err(loss, want_loss) <= 1e-6
         assert rel_err(nll, want_nll) <= 1e-6
@@ -223,7 +225,7 @@ def test_fused_gradients_equal_hand_built_gamma_formula(eps):
     want_loss = -(q * np.log(p)).sum()
 
     h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
-    loss, _, _ = fused_linear_loss(h, w, TINY_TARGETS, eps, gates=tiny_gates(), chunk_size=3)
+    loss = fused_linear_loss(h, w, TINY_TARGETS, LossRequest(eps, gates=tiny_gates(), chunk_size=3)).loss
     loss.backward()
     np.testing.assert_allclose(loss.item(), want_loss, rtol=1e-6)
     np.testing.assert_allclose(h.grad.numpy(), want_dh, rtol=1e-5, atol=1e-6)
@@ -245,7 +247,7 @@ def test_effective_gate_per_context(eps):
         grads = {}
         for name, gt in (("gated", gates), ("plain", None)):
             h, w = h_row.clone().requires_grad_(), w0.clone().requires_grad_()
-            fused_linear_loss(h, w, y, eps, gates=gt)[0].backward()
+            fused_linear_loss(h, w, y, LossRequest(eps, gates=gt)).loss.backward()
             grads[name] = (h.grad.clone(), w.grad.clone())
         # hidden-state gradient: exactly the plain CE one
         assert torch.allclose(grads["gated"][0], grads["plain"][0], rtol=0, atol=1e-7)
@@ -266,7 +268,7 @@ def test_rare_token_gradient_decomposition():
     h0, w0 = tiny_problem(13)
     gates = tiny_gates()
     h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
-    fused_linear_loss(h, w, TINY_TARGETS, 0.0, gates=gates)[0].backward()
+    fused_linear_loss(h, w, TINY_TARGETS, LossRequest(0.0, gates=gates)).loss.backward()
     with torch.no_grad():
         p = torch.softmax(h0 @ w0.t(), dim=-1)
         grad_logits = p - F.one_hot(TINY_TARGETS, 8).float()
@@ -301,7 +303,7 @@ def test_gradcheck_float64_ungated(eps):
     target = torch.tensor([0, 3, 3, 8, 1, 5, 2])
     for chunk in (1, 3, 100):
         def fn(hh, ww, chunk=chunk):
-            return fused_linear_loss(hh, ww, target, eps, chunk_size=chunk)[0]
+            return fused_linear_loss(hh, ww, target, LossRequest(eps, chunk_size=chunk)).loss
 
         assert torch.autograd.gradcheck(fn, (hidden, weight), eps=1e-6, atol=1e-8, rtol=1e-6)
 
@@ -313,7 +315,7 @@ def test_gated_function_float64_matches_reference_autograd():
     w0 = torch.randn(8, 5, generator=g, dtype=torch.float64)
     gates = tiny_gates()
     h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
-    fused_linear_loss(h, w, TINY_TARGETS, 0.1, gates=gates, chunk_size=2)[0].backward()
+    fused_linear_loss(h, w, TINY_TARGETS, LossRequest(0.1, gates=gates, chunk_size=2)).loss.backward()
     hr, wr = h0.clone().requires_grad_(), w0.clone().requires_grad_()
     reference_output_loss(hr, wr, TINY_TARGETS, 0.1, gates=gates)[0].backward()
     assert h.grad.dtype == torch.float64 and w.grad.dtype == torch.float64
@@ -342,7 +344,7 @@ def test_no_grad_gives_the_same_loss():
     n = 15
     target = problem_targets(n, seed=9)
     fn, (h, w) = untied_problem(n, seed=9)
-    with_grad = fused_linear_loss(h.clone().requires_grad_(), w.clone().requires_grad_(), target, 0.1)[0]
+    with_grad = fused_linear_loss(h.clone().requires_grad_(), w.clone().requires_grad_(), target, LossRequest(0.1)).loss
     with torch.no_grad():
-        without = fused_linear_loss(h.clone().requires_grad_(), w.clone().requires_grad_(), target, 0.1)[0]
+        without = fused_linear_loss(h.clone().requires_grad_(), w.clone().requires_grad_(), target, LossRequest(0.1)).loss
     assert torch.equal(with_grad.detach(), without)

@@ -6,9 +6,10 @@ import pytest
 import torch
 from fairseq import tasks
 
-from fairseq_agg.ops.agg_gates import RareTokenWindow, agg_gates, alpha_allowed_range
-from fairseq_agg.testing.fairseq_runs import TINY_LM_ARGS
-from fairseq_agg.testing.fairseq_runs import parse_config as parse
+from fairseq_agg.ops.agg_gates import agg_gates, alpha_allowed_range
+from fairseq_agg.ops.counting import RareTokenWindow
+from fairseq_runs import TINY_LM_ARGS
+from fairseq_runs import parse_config as parse
 
 G1_MODES = ["code", "normalized"]
 THRESHOLD_MODES = ["per-update", "relative"]
@@ -124,7 +125,7 @@ def test_auto_window_keeps_the_checkpoints_size():
 def test_analyze_refuses_a_dictionary_that_does_not_match_the_checkpoint(lm_data_bin, tmp_path, capsys):
     """One clear line, exit status 2, nothing written: not fairseq's raw size-mismatch traceback."""
     from fairseq_agg.stats import analyze
-    from fairseq_agg.testing import fairseq_runs
+    import fairseq_runs
 
     fairseq_runs.run_cli("fairseq-train", [lm_data_bin, "--save-dir", tmp_path / "ckpt", "--max-update", "1",
                                            "--no-epoch-checkpoints"] + TINY_LM_ARGS)
@@ -144,7 +145,7 @@ def test_analyze_refuses_a_dictionary_that_does_not_match_the_checkpoint(lm_data
 
 def test_agg_trains_with_sample_break_mode_eos(lm_data_bin, tmp_path):
     """fairseq's TokenBlockDataset with --sample-break-mode eos works with the numpy the set-up pins."""
-    from fairseq_agg.testing.fairseq_runs import USER_DIR, read_json_log, run_cli
+    from fairseq_runs import USER_DIR, read_json_log, run_cli
 
     args = list(TINY_LM_ARGS)
     args[args.index("--sample-break-mode") + 1] = "eos"

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fairseq_agg.ops.agg_gates import RareTokenWindow, agg_gates, target_histogram
+from fairseq_agg.ops.agg_gates import agg_gates
+from fairseq_agg.ops.counting import RareTokenWindow, target_histogram
 
 
 class BruteForce:

@@ -12,7 +12,7 @@ import torch
 from fairseq import checkpoint_utils
 from fairseq.data import Dictionary
 
-from fairseq_agg.testing import fairseq_runs as fr
+import fairseq_runs as fr
 import fairseq_agg_cli as cli
 from fairseq_agg.fairseq_hooks import madeupword_ids
 from fairseq_agg.stats import analyze as A
@@ -72,6 +72,12 @@ def test_cli_report_figures_and_ppl_against_eval_lm(lm_ckpts, lm_data_bin, tmp_p
     ck5, ck_last = lm_ckpts / "checkpoint_1_5.pt", lm_ckpts / "checkpoint_last.pt"
     proc = fr.run_cli("fairseq-agg-analyze", [ck5, ck_last, "--data", lm_data_bin, "--out", out, "--cpu"])
     assert "| checkpoint_1_5 | dec |" in proc.stdout and "| checkpoint_last | dec |" in proc.stdout
+    # progress, one line per checkpoint and step, then the files it wrote (and nothing else)
+    for step in ("loading checkpoint", "analysing checkpoint"):
+        assert [f"{step} {i}/2" in proc.stderr for i in (1, 2)] == [True, True], proc.stderr
+    written = ["spectrum.png", "projection.png", "report.json", "table.md"]
+    assert proc.stderr.splitlines()[-4:] == [f"wrote {out / name}" for name in written]
+    assert sorted(os.listdir(out)) == sorted(written)
     report = json.loads((out / "report.json").read_text())
     assert report["version"] == 1 and report["settings"]["split"] == "valid"
     assert [c["label"] for c in report["checkpoints"]] == ["checkpoint_1_5", "checkpoint_last"]
@@ -184,6 +190,55 @@ def test_clear_errors(lm_ckpts, lm_data_bin, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["analyze", "--help"])
     assert exc.value.code == 0 and "fairseq-agg-analyze" in capsys.readouterr().out
+
+
+def test_outputs_are_checked_before_any_work(lm_ckpts, tmp_path, capsys):
+    good = lm_ckpts / "checkpoint_last.pt"
+    assert "--out must name a directory, got an empty path" in _main_error(capsys, [good, "--out", ""])
+    assert f"--out {good} is a file; name a directory" in _main_error(capsys, [good, "--out", good])
+    below_a_file = good / "analysis"
+    assert f"--out {below_a_file}: {good} is a file, not a directory" in _main_error(
+        capsys, [good, "--out", below_a_file])
+    # an output file that is one of the inputs (here a word-similarity list named table.md)
+    out = tmp_path / "o"
+    out.mkdir()
+    pairs = out / "table.md"
+    pairs.write_text("w1\tw2\t3.0\n")
+    assert f"--out {pairs} is one of the inputs; it would be overwritten" in _main_error(
+        capsys, [good, "--word-sim", pairs, "--out", out])
+    assert sorted(os.listdir(out)) == ["table.md"] and pairs.read_text() == "w1\tw2\t3.0\n"
+
+
+def test_an_unusable_checkpoint_is_one_line_and_writes_nothing(lm_ckpts, tmp_path):
+    good = lm_ckpts / "checkpoint_last.pt"
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[:5000])
+    out = tmp_path / "analysis"
+    proc = fr.run_cli("fairseq-agg-analyze", [good, truncated, "--out", out, "--cpu"], expect_ok=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith(
+        f"fairseq-agg-analyze: error: {truncated} is not a readable fairseq checkpoint (")
+    assert not [line for line in proc.stderr.splitlines() if "error" in line.lower()][:-1]
+    assert not out.exists()
+
+
+def test_any_word_similarity_list_file(lm_ckpts, lm_data_bin, tmp_path):
+    """--word-sim takes any 'word1<TAB>word2<TAB>score' file, under any name and path."""
+    lists = tmp_path / "my lists"
+    lists.mkdir()
+    own = lists / "own pairs.v2.tsv"
+    own.write_text("# my own pairs\nw1\tw2\t3.5\nw3\tw4\t1.0\nw5\tw9\t8.0\nw2\tw7\t2.5\n", encoding="utf-8")
+    other = tmp_path / "other-list.txt"
+    other.write_text("w0\tw1\t1\nw4\tw8\t2\nw6\tw3\t3\n", encoding="utf-8")
+    out = tmp_path / "analysis"
+    proc = fr.run_cli("fairseq-agg-analyze", [lm_ckpts / "checkpoint_last.pt", "--data", lm_data_bin, "--no-ppl",
+                                              "--no-figures", "--cpu", "--out", out, "--word-sim", own, other])
+    report = json.loads((out / "report.json").read_text())
+    assert report["settings"]["word_sim"] == [str(own), str(other)]
+    scores = report["checkpoints"][0]["word_similarity"]
+    assert list(scores) == ["own pairs.v2", "other-list"]
+    assert scores["own pairs.v2"]["dec"]["single"]["pairs"] == 4 and scores["other-list"]["dec"]["single"]["pairs"] == 3
+    assert "ws_own pairs.v2" in report["table"]["columns"] and "ws_other-list_sub" in proc.stdout
 
 
 # ----------------------------------------------------------------------------------------------

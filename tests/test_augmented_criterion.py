@@ -16,9 +16,9 @@ from fairseq import metrics
 
 from fairseq_agg.criterions.augmented_loss import AugmentedLossCriterion
 from fairseq_agg.fairseq_hooks import never_real_ids
-from fairseq_agg.testing.reference import reference_output_loss, reference_teacher
-from fairseq_agg.testing.fairseq_runs import TINY_LM_ARGS, TINY_MT_ARGS, USER_DIR, build_parts, criterion_from_flags, non_pad_features
-from fairseq_agg.testing.fairseq_runs import read_json_log, run_cli
+from reference_constructions import reference_output_loss, reference_teacher
+from fairseq_runs import TINY_LM_ARGS, TINY_MT_ARGS, USER_DIR, build_parts, criterion_from_flags, non_pad_features
+from fairseq_runs import read_json_log, run_cli
 
 torch.set_num_threads(2)
 
@@ -118,17 +118,17 @@ def test_bad_flags_rejected_at_construction(lm, flags, message):
 
 
 def test_chunk_size_flag_is_used_and_does_not_change_the_result(lm, monkeypatch):
-    from fairseq_agg.criterions import output_loss
+    from fairseq_agg.ops import augmented
 
     data, task, model, criterion, sample = lm
     small = criterion_for(task, data, TINY_LM_ARGS, ["--criterion", "augmented_loss", "--output-chunk-tokens", "60"])
-    fused, chunks = output_loss.fused_linear_loss, []
+    fused, chunks = augmented.fused_linear_loss, []
 
-    def recording(*args, **kwargs):
-        chunks.append(kwargs["chunk_size"])
-        return fused(*args, **kwargs)
+    def recording(hidden, weight, target, request):
+        chunks.append(request.chunk_size)
+        return fused(hidden, weight, target, request)
 
-    monkeypatch.setattr(output_loss, "fused_linear_loss", recording)
+    monkeypatch.setattr(augmented, "fused_linear_loss", recording)
     loss_a, _, log_a, grads_a = loss_and_grads(model, criterion, sample)
     loss_b, _, log_b, grads_b = loss_and_grads(model, small, sample)
     assert chunks == [2048, 60] and sample["ntokens"] > 60  # the small chunks really split the batch
@@ -160,7 +160,7 @@ def criterion_or_none(task, data, flags):
 def pad_teacher_mass(crit, model, task, sample):
     target = sample["target"].reshape(-1)
     target = target[target.ne(task.target_dictionary.pad())]
-    return crit.build_teacher(model, target).probs[:, task.target_dictionary.pad()]
+    return crit.augmented.teacher(model.decoder.embed_tokens.weight, target).probs[:, task.target_dictionary.pad()]
 
 
 def test_mask_special_flag_spelling(lm):
@@ -337,7 +337,7 @@ def test_agg_plus_augmented_loss_gates_the_ce_part_only(mt):
     )
     crit.set_update_num(0)
     loss, _, log, grads = loss_and_grads(model, crit, sample)
-    gates = crit._last_gates
+    gates = crit.last_gates
     assert gates is not None and gates.rare.any() and (gates.g1 < 1).any() and (gates.g2 < 1).any()
     assert log["aug_alpha"] == alpha and log["aug_loss"] > 0
 

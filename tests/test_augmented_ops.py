@@ -8,6 +8,7 @@
 * the non-detached variant (``augmented_kl_direct``) against autograd through a materialised teacher
   and against central finite differences, float64.
 """
+import importlib
 import math
 
 import numpy as np
@@ -16,8 +17,14 @@ import torch
 
 from fairseq_agg.ops.agg_gates import TokenGates
 from fairseq_agg.ops.augmented import SCALES, TeacherTargets, aug_scale_factor, augmented_kl_direct, build_teacher
-from fairseq_agg.ops.fused_linear_loss import fused_linear_loss
-from fairseq_agg.testing.reference import gate_matrix, reference_output_loss, reference_teacher
+from fairseq_agg.ops.fused_linear_loss import LossRequest, fused_linear_loss
+from reference_constructions import gate_matrix, reference_output_loss, reference_teacher
+
+
+def fused(hidden, weight, target, epsilon, **terms):
+    """(loss, nll, aug_kl) of the fused layer with label smoothing ``epsilon`` and ``terms``."""
+    out = fused_linear_loss(hidden, weight, target, LossRequest(epsilon, **terms))
+    return out.loss, out.nll, out.aug_kl
 
 torch.set_num_threads(2)
 
@@ -80,13 +87,13 @@ def test_fused_matches_reference_fp32(tied, epsilon, masked):
     for chunk in (1, 5, 16, 1000):
         teacher = build_teacher(emb, target, tau, coef, masked)
         out = run_with_grads(
-            lambda h, w: fused_linear_loss(h, w, target, epsilon, teacher=teacher, chunk_size=chunk),
+            lambda h, w: fused(h, w, target, epsilon, teacher=teacher, chunk_size=chunk),
             hidden, weight, tied,
         )
         for name, a, b in zip(("loss", "nll", "kl", "dH", "dW"), out, ref):
             assert rel_err(a, b) <= 1e-6, (name, chunk, rel_err(a, b))
     # the augmented loss really is in there: without the teacher the gradients differ clearly
-    plain = run_with_grads(lambda h, w: fused_linear_loss(h, w, target, epsilon), hidden, weight, tied)
+    plain = run_with_grads(lambda h, w: fused(h, w, target, epsilon), hidden, weight, tied)
     assert rel_err(plain[3], ref[3]) > 1e-2
     assert float(ref[2]) > 0
 
@@ -95,7 +102,7 @@ def test_fused_loss_is_ce_plus_coef_times_kl_for_every_scale():
     """loss = CE + alpha * s(tau) * KL with s in {1, tau, tau^2} (docs/augmented_loss.md, "The loss")."""
     hidden, weight, emb, target = problem(tied=False, seed=5)
     tau, alpha = 3.0, 0.4
-    ce, _, _ = fused_linear_loss(hidden, weight, target, 0.1)
+    ce, _, _ = fused(hidden, weight, target, 0.1)
     assert aug_scale_factor("none", tau) == 1.0
     assert aug_scale_factor("tau", tau) == tau
     assert aug_scale_factor("tau2", tau) == tau * tau
@@ -103,7 +110,7 @@ def test_fused_loss_is_ce_plus_coef_times_kl_for_every_scale():
     for scale in SCALES:
         coef = alpha * aug_scale_factor(scale, tau)
         teacher = build_teacher(emb, target, tau, coef)
-        loss, _, kl = fused_linear_loss(hidden, weight, target, 0.1, teacher=teacher)
+        loss, _, kl = fused(hidden, weight, target, 0.1, teacher=teacher)
         assert math.isclose(float(loss), float(ce) + coef * float(kl), rel_tol=1e-6)
         kls.add(round(float(kl), 4))
     assert len(kls) == 1  # the KL itself does not depend on the scale convention
@@ -144,7 +151,7 @@ def test_tau_one_is_label_smoothing_toward_the_teacher(tied):
     for scale in SCALES:  # at τ = 1 every convention has c = 1
         teacher = build_teacher(emb, target, 1.0, alpha * aug_scale_factor(scale, 1.0), masked)
         loss, _, _, dH, dW = run_with_grads(
-            lambda h, w: fused_linear_loss(h, w, target, 0.0, teacher=teacher, chunk_size=8), hidden, weight, tied
+            lambda h, w: fused(h, w, target, 0.0, teacher=teacher, chunk_size=8), hidden, weight, tied
         )
         assert rel_err(loss, torch.tensor(loss_np)) <= 2e-6
         assert rel_err(dH, torch.from_numpy(dH_np)) <= 2e-6
@@ -175,7 +182,7 @@ def test_fused_gradcheck_float64(epsilon):
     h = hidden.clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
     assert torch.autograd.gradcheck(
-        lambda h, w: fused_linear_loss(h, w, target, epsilon, teacher=teacher, chunk_size=4)[0], (h, w)
+        lambda h, w: fused(h, w, target, epsilon, teacher=teacher, chunk_size=4)[0], (h, w)
     )
 
 
@@ -251,9 +258,9 @@ def test_direct_detached_equals_fused_and_teacher_path_matters():
     """With E not requiring grad the direct op is the fused AL term; with it, E gets an extra gradient."""
     hidden, weight, emb, target = problem(n=30, vocab=21, dim=8, tied=False, seed=23)
     tau, coef, masked = 2.0, 0.9, (0, 1)
-    base = run_with_grads(lambda h, w: fused_linear_loss(h, w, target, 0.0), hidden, weight, False)
+    base = run_with_grads(lambda h, w: fused(h, w, target, 0.0), hidden, weight, False)
     teacher = build_teacher(emb, target, tau, coef, masked)
-    full = run_with_grads(lambda h, w: fused_linear_loss(h, w, target, 0.0, teacher=teacher), hidden, weight, False)
+    full = run_with_grads(lambda h, w: fused(h, w, target, 0.0, teacher=teacher), hidden, weight, False)
     h = hidden.clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
     kl = augmented_kl_direct(h, w, emb, target, tau, masked, chunk_size=7)
@@ -311,8 +318,8 @@ def test_masked_columns_carry_no_teacher_gradient():
     hidden, weight, emb, target = problem(n=20, vocab=13, dim=5, tied=False, seed=31)
     tau, coef = 2.0, 1.0
     teacher = build_teacher(emb, target, tau, coef, masked_columns=(2,))
-    base = run_with_grads(lambda h, w: fused_linear_loss(h, w, target, 0.0), hidden, weight, False)
-    full = run_with_grads(lambda h, w: fused_linear_loss(h, w, target, 0.0, teacher=teacher), hidden, weight, False)
+    base = run_with_grads(lambda h, w: fused(h, w, target, 0.0), hidden, weight, False)
+    full = run_with_grads(lambda h, w: fused(h, w, target, 0.0, teacher=teacher), hidden, weight, False)
     model_part = torch.softmax((hidden @ weight.t()).double() / tau, -1)[:, 2] / tau * coef
     expect = model_part.unsqueeze(1).mul(hidden.double()).sum(0)
     assert rel_err(full[4][2] - base[4][2], expect) <= 1e-5
@@ -330,7 +337,7 @@ def test_agg_gates_the_ce_part_only(gate_aug):
     tau, coef, eps = 2.0, 1.1, 0.1
     teacher = build_teacher(emb, target, tau, coef, (0,), gate_with_agg=gate_aug)
     _, _, _, dH, dW = run_with_grads(
-        lambda h, w: fused_linear_loss(h, w, target, eps, gates=gates, teacher=teacher, chunk_size=6),
+        lambda h, w: fused(h, w, target, eps, gates=gates, teacher=teacher, chunk_size=6),
         hidden, weight, True,
     )
     # numpy float64
@@ -366,7 +373,7 @@ def test_agg_gates_the_ce_part_only(gate_aug):
 @pytest.mark.parametrize("block_rows", [1, 3], ids=["block1", "block3"])
 @pytest.mark.parametrize("mode", ["ce", "agg", "al", "agg+al", "agg+al-gated"])
 def test_row_blocks_smaller_than_the_chunk_give_the_same_result(monkeypatch, block_rows, mode):
-    from fairseq_agg.ops import fused_linear_loss as fused_module
+    fused_module = importlib.import_module("fairseq_agg.ops.fused_linear_loss")
 
     hidden, weight, emb, target = problem(n=41, vocab=23, dim=8, tied=True, seed=53)
     monkeypatch.setattr(fused_module, "_CPU_BLOCK_BYTES", block_rows * 23 * 4)  # fp32 rows of V = 23
@@ -386,7 +393,7 @@ def test_row_blocks_smaller_than_the_chunk_give_the_same_result(monkeypatch, blo
         if teacher is not None:  # the teacher itself is also built block by block
             assert rel_err(teacher.probs[teacher.index], probs) <= 1e-6
         out = run_with_grads(
-            lambda h, w: fused_linear_loss(h, w, target, eps, gates=gates, teacher=teacher, chunk_size=chunk),
+            lambda h, w: fused(h, w, target, eps, gates=gates, teacher=teacher, chunk_size=chunk),
             hidden, weight, True,
         )
         for name, a, b in zip(("loss", "nll", "kl", "dH", "dW"), out, ref):
@@ -403,13 +410,13 @@ def test_bf16_inputs_are_finite_and_close_to_fp32():
     hidden, weight, emb, target = problem(n=64, vocab=40, dim=16, tied=True, seed=41)
     tau, coef = 2.0, 1.0
     t32 = build_teacher(emb, target, tau, coef, (0,))
-    ref = run_with_grads(lambda h, w: fused_linear_loss(h, w, target, 0.1, teacher=t32), hidden, weight, True)
+    ref = run_with_grads(lambda h, w: fused(h, w, target, 0.1, teacher=t32), hidden, weight, True)
     hb, wb = hidden.bfloat16(), weight.bfloat16()
     t16 = build_teacher(wb, target, tau, coef, (0,))
     assert t16.probs.dtype == torch.float32  # the teacher softmax is fp32 even from bf16 rows
     h = hb.clone().requires_grad_(True)
     w = wb.clone().requires_grad_(True)
-    loss, nll, kl = fused_linear_loss(h, w, target, 0.1, teacher=t16, chunk_size=16)
+    loss, nll, kl = fused(h, w, target, 0.1, teacher=t16, chunk_size=16)
     loss.backward()
     assert loss.dtype == torch.float32 and h.grad.dtype == torch.bfloat16
     for v in (loss, nll, kl):

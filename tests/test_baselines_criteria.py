@@ -13,14 +13,14 @@ from fairseq import metrics, tasks
 from fairseq.criterions import CRITERION_REGISTRY
 from fairseq.trainer import Trainer
 
-from fairseq_agg.ops.agg_gates import target_histogram
+from fairseq_agg.ops.counting import target_histogram
 from fairseq_agg.ops.face import face_token_weights
 from fairseq_agg.stats.groups import frequency_groups, row_mask
-from fairseq_agg.testing import fairseq_runs
-from fairseq_agg.testing.fairseq_runs import TINY_LM_ARGS, TINY_MT_ARGS, first_batch
-from fairseq_agg.testing.fairseq_runs import build_parts as build
-from fairseq_agg.testing.fairseq_runs import parse_config as parse
-from fairseq_agg.testing.reference import (
+import fairseq_runs
+from fairseq_runs import TINY_LM_ARGS, TINY_MT_ARGS, first_batch
+from fairseq_runs import build_parts as build
+from fairseq_runs import parse_config as parse
+from reference_constructions import (
     frozen_rows,
     reference_cosreg,
     reference_face_loss,
@@ -123,7 +123,7 @@ def test_cosreg_both_matrices_of_an_untied_lm(lm_data_bin):
 
 
 def test_face_mt_gt_counts_padding_and_label_smoothing(mt_data_bin):
-    extra = ["--criterion", "cross_entropy_face", "--face-frequency", "gt", "--face-window", "10"] + MT_SMOOTHED
+    extra = ["--criterion", "cross_entropy_face", "--face-frequency", "gt", "--face-counting", "window", "--face-window", "10"] + MT_SMOOTHED
     _, task, model, criterion = build(mt_data_bin, TINY_MT_ARGS, extra)
     dictionary = task.target_dictionary
     sample = padded_batch(task)
@@ -144,7 +144,7 @@ def test_face_mt_gt_counts_padding_and_label_smoothing(mt_data_bin):
 
 
 def test_face_out_counts_the_argmax_after_the_pass_and_not_in_validation(lm_data_bin):
-    extra = ["--criterion", "cross_entropy_face", "--face-window", "4", "--face-weighing", "post"]
+    extra = ["--criterion", "cross_entropy_face", "--face-counting", "window", "--face-window", "4", "--face-weighing", "post"]
     cfg, task, model, criterion = build(lm_data_bin, TINY_LM_ARGS, extra)
     dictionary = task.target_dictionary
     trainer = Trainer(cfg, task, model, criterion)
@@ -186,7 +186,7 @@ def test_face_out_counts_the_argmax_after_the_pass_and_not_in_validation(lm_data
 
 
 def test_face_counts_are_checkpointed(lm_data_bin):
-    extra = ["--criterion", "cross_entropy_face", "--face-frequency", "gt", "--face-window", "3"]
+    extra = ["--criterion", "cross_entropy_face", "--face-frequency", "gt", "--face-counting", "window", "--face-window", "3"]
     _, task, model, criterion = build(lm_data_bin, TINY_LM_ARGS, extra)
     criterion_step(model, criterion, first_batch(task))
     assert len(list(criterion.parameters())) == 1  # the anchor: fairseq saves the criterion's state
@@ -198,7 +198,7 @@ def test_face_counts_are_checkpointed(lm_data_bin):
 
 
 def test_counts_of_another_criterion_start_empty_and_own_counts_load_strictly(lm_data_bin):
-    face_flags = ["--criterion", "cross_entropy_face", "--face-frequency", "gt", "--face-window", "3"]
+    face_flags = ["--criterion", "cross_entropy_face", "--face-frequency", "gt", "--face-counting", "window", "--face-window", "3"]
     agg_flags = ["--criterion", "cross_entropy_agg", "--agg-window", "3"]
     _, task, model, agg = build(lm_data_bin, TINY_LM_ARGS, agg_flags)
     criterion_step(model, agg, first_batch(task))
@@ -224,7 +224,7 @@ def test_counts_of_another_criterion_start_empty_and_own_counts_load_strictly(lm
 
 
 def test_face_cumulative_counts(lm_data_bin):
-    extra = ["--criterion", "cross_entropy_face", "--face-frequency", "gt", "--face-cumulative", "--face-count-eos"]
+    extra = ["--criterion", "cross_entropy_face", "--face-frequency", "gt", "--face-count-eos"]  # cumulative: the default
     _, task, model, criterion = build(lm_data_bin, TINY_LM_ARGS, extra)
     sample = first_batch(task)
     for update in range(3):
@@ -270,7 +270,7 @@ def test_freezing_tied_lm_against_the_reference(lm_data_bin):
     _, task, model, criterion = agg_freeze(lm_data_bin, TINY_LM_ARGS, extra)
     sample = first_batch(task)
     loss, _, log, grads = criterion_step(model, criterion, sample)
-    rare = criterion.frozen_rows
+    rare = criterion.last_gates.rare  # --agg-freeze-set window: the rare group is frozen
     target = sample["target"].reshape(-1)
     keep = target.ne(task.target_dictionary.pad())
     assert rare[target[keep]].any() and (~rare[target[keep]]).any()

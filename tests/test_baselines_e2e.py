@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fairseq_agg.stats.groups import frequency_groups
-from fairseq_agg.testing.fairseq_runs import TINY_LM_ARGS, USER_DIR, read_json_log, run_cli
+from fairseq_runs import TINY_LM_ARGS, USER_DIR, read_json_log, run_cli
 
 N = 6
 VOLATILE = {"wps", "ups", "wall", "train_wall", "gb_free"}  # timing fields of the json log
@@ -20,7 +20,8 @@ LM_UNTIED = [a for a in TINY_LM_ARGS if a != "--share-decoder-input-output-embed
 
 METHODS = {
     "cosreg": (TINY_LM_ARGS, ["--criterion", "cross_entropy_cosreg", "--embed-stats-interval", "3"], "cosreg"),
-    "face": (TINY_LM_ARGS, ["--criterion", "cross_entropy_face", "--face-window", "4"], "face_weight"),
+    "face": (TINY_LM_ARGS, ["--criterion", "cross_entropy_face", "--face-counting", "window", "--face-window", "4"],
+             "face_weight"),
     "ul": (TINY_LM_ARGS, ["--criterion", "cross_entropy_unlikelihood"], "ul_loss"),
     # untied, static set: the frozen output rows can be checked in the checkpoints
     "freeze": (LM_UNTIED, ["--criterion", "cross_entropy_agg", "--agg-freeze-rare", "--agg-freeze-set", "group"],

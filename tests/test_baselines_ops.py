@@ -1,7 +1,7 @@
 """The degeneration baselines' math (docs/baselines.md): CosReg, FACE, token-level UL, rare freezing.
 
 * each method's own functions against hand-computed values and a direct construction from the
-  paper's formula (``fairseq_agg.testing.reference``), float64 gradcheck;
+  paper's formula (scripts/reference_constructions.py), float64 gradcheck;
 * the fused, chunked output layer with each method against the direct reference on materialised
   logits: loss, dL/dH and dL/dW, fp32, <= 1e-6 relative, with padding, tied and untied, several
   chunk sizes, label smoothing 0 and 0.1.
@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from fairseq_agg.ops.cosreg import cosine_regularizer
-from fairseq_agg.ops.face import FaceWeights, CumulativeCounts, counted_ids, face_post_weights, face_token_weights
-from fairseq_agg.ops.fused_linear_loss import fused_linear_loss
+from fairseq_agg.ops.counting import CumulativeCounts
+from fairseq_agg.ops.face import FaceWeights, counted_ids, face_post_weights, face_token_weights
+from fairseq_agg.ops.fused_linear_loss import LossRequest, fused_linear_loss
 from fairseq_agg.ops.unlikelihood import UnlikelihoodCandidates, first_occurrences, unlikelihood_candidates
-from fairseq_agg.testing.reference import (
+from reference_constructions import (
     frozen_rows,
     reference_candidate_sets,
     reference_cosreg,
@@ -205,8 +206,7 @@ def ul_terms_of(logits, candidates, alpha=1.0, clamp=1e-5):
     table = torch.tensor([list(candidates) + [v]])
     cands = UnlikelihoodCandidates(table, torch.tensor([0]), torch.tensor([len(candidates)]), alpha, clamp)
     e = torch.cat([(logits - logits.max()).exp(), torch.zeros(1, dtype=logits.dtype)]).unsqueeze(0)
-    value, coef_sum, ids, coef = cands.block_terms(e, e[:, :v].sum(1), slice(0, 1), target)
-    n = cands.candidate_count
+    value, coef_sum, ids, coef, n = cands.block_terms(e, e[:, :v].sum(1), slice(0, 1), target)
     p = e[0, :v] / e[0, :v].sum()
     grad = torch.zeros(v + 1, dtype=logits.dtype).scatter_add(0, ids[0], coef[0])[:v] - coef_sum[0] * p
     return value[0], alpha * grad, int(n)
@@ -286,19 +286,20 @@ def test_fused_unlikelihood_equals_the_direct_reference(tied, eps):
     want_grads = grads_of(want_loss, params)
     plain = fresh(base)
     hidden, weight = fn(*plain)
-    plain_grads = grads_of(fused_linear_loss(hidden[keep], weight, flat[keep], eps)[0], plain)
+    plain_grads = grads_of(fused_linear_loss(hidden[keep], weight, flat[keep], LossRequest(eps)).loss, plain)
     assert rel_err(want_grads[0], plain_grads[0]) > 1e-2  # the UL term really changes the gradients
 
     for chunk in CHUNKS:
         params = fresh(base)
         hidden, weight = fn(*params)
         cands = unlikelihood_candidates(target, keep, PAD, alpha)
-        loss, nll = fused_linear_loss(hidden[keep], weight, flat[keep], eps, penalty=cands, chunk_size=chunk)[:2]
+        out = fused_linear_loss(hidden[keep], weight, flat[keep], LossRequest(eps, penalty=cands, chunk_size=chunk))
+        loss, nll = out.loss, out.nll
         grads = grads_of(loss, params)
         assert rel_err(loss, want_loss) <= 1e-6, chunk
         assert rel_err(nll, want_nll) <= 1e-6, chunk
-        assert rel_err(cands.value_sum, want_ul) <= 1e-6, chunk
-        assert cands.candidate_count.item() == sum(
+        assert rel_err(out.penalty, want_ul) <= 1e-6, chunk
+        assert out.penalty_candidates.item() == sum(
             len(s) for row in reference_candidate_sets(target, PAD) for s in row if s
         )
         for got, want in zip(grads, want_grads):
@@ -337,14 +338,15 @@ def test_fused_face_equals_the_direct_reference(tied, eps, weighing):
         face = FaceWeights(
             token_weight=face_token_weights(counts) if weighing == "pre" else None,
             counts=counts if weighing == "post" else None,
-            record_predictions=True,
         )
-        loss, nll = fused_linear_loss(hidden[keep], weight, y, eps, row_weights=face, chunk_size=chunk)[:2]
+        request = LossRequest(eps, row_weights=face, chunk_size=chunk, record_argmax=True)
+        out = fused_linear_loss(hidden[keep], weight, y, request)
+        loss, nll = out.loss, out.nll
         grads = grads_of(loss, params)
         assert rel_err(loss, want_loss) <= 1e-6, chunk
         assert rel_err(nll, want_nll) <= 1e-6, chunk
-        assert torch.equal(face.predictions, logits.argmax(1))  # the "out" counts of this micro-batch
-        assert rel_err(face.weight_sum, row_weight.sum()) <= 1e-6
+        assert torch.equal(out.argmax, logits.argmax(1))  # the "out" counts of this micro-batch
+        assert rel_err(out.row_weight_sum, row_weight.sum()) <= 1e-6
         for got, want in zip(grads, want_grads):
             assert rel_err(got, want) <= 1e-6, (chunk, rel_err(got, want))
 
@@ -371,7 +373,7 @@ def test_fused_freezing_zeroes_rare_rows_and_keeps_everything_else(tied, eps):
             params = fresh(base)
             hidden, weight = fn(*params)
             weight_out = weight.view_as(weight)  # its own node: the output side's gradient alone
-            loss = fused_linear_loss(hidden[keep], weight_out, y, eps, frozen_rows=frozen, chunk_size=chunk)[0]
+            loss = fused_linear_loss(hidden[keep], weight_out, y, LossRequest(eps, frozen_rows=frozen, chunk_size=chunk)).loss
             out_grad, hidden_grad = torch.autograd.grad(loss, [weight_out, hidden], retain_graph=True)
             runs[name] = (loss.detach(), out_grad, hidden_grad, grads_of(loss, params))
         loss, out_grad, hidden_grad, grads = runs["frozen"]
@@ -404,6 +406,6 @@ def test_fused_gradcheck_float64(method):
             kwargs["row_weights"] = FaceWeights(token_weight=face_token_weights(counts).double())
         else:
             kwargs["row_weights"] = FaceWeights(counts=counts)
-        return fused_linear_loss(h, w, flat[keep], 0.1, chunk_size=3, **kwargs)[0]
+        return fused_linear_loss(h, w, flat[keep], LossRequest(0.1, chunk_size=3, **kwargs)).loss
 
     assert torch.autograd.gradcheck(loss_of, (hidden, weight))

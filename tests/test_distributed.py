@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from fairseq_agg.testing.fairseq_runs import TINY_LM_ARGS, USER_DIR
+from fairseq_runs import TINY_LM_ARGS, USER_DIR
 
 # fairseq writes checkpoints on rank 0 only: each rank dumps its own trainer state when
 # fairseq_cli.train.cli_main returns (the real training loop, unchanged).

@@ -10,9 +10,10 @@ import sys
 
 import pytest
 
-from fairseq_agg.testing import gpu_check
+import gpu_check
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPU_CHECK_PY = os.path.join(REPO, "scripts", "gpu_check.py")
 GPU_CHECK_SH = os.path.join(REPO, "scripts", "device", "gpu_check.sh")
 PREPARE_SH = os.path.join(REPO, "scripts", "device", "prepare.sh")
 PLAN = gpu_check.CPU_SMOKE_PLAN
@@ -68,20 +69,34 @@ def test_output_layer_variants_compute_the_same_loss(smoke):
     assert set(part["runs"]) == {f"{s} {d}" for s in PLAN.shapes for d in PLAN.bench_dtypes}
     if importlib.util.find_spec("liger_kernel") is None:
         assert part["liger"].startswith("skipped: liger_kernel not importable")
+    if importlib.util.find_spec("cut_cross_entropy") is None:
+        assert part["cce"].startswith("skipped: cut_cross_entropy not importable")
     for key, entry in part["runs"].items():
         v = entry["variants"]
-        assert {"stock", "fused_ce", "agg", "al"} <= set(v), key
+        smoothed = entry["eps"] > 0
+        assert {"stock", "fused_ce", "agg", "al", "torch_ref", "torch_auto", "floor"} <= set(v), key
         for name, m in v.items():
+            if "skipped" in m:  # torch's chunked path (and CCE) take no label smoothing
+                assert smoothed and name in ("torch_auto", "cce") and "label smoothing" in m["skipped"], (key, name, m)
+                continue
             assert m["median_ms"] > 0 and len(m["ms"]) == PLAN.repeats, (key, name, m)
-        # AGG changes gradients only; the stock criterion (fairseq's functions) and the fused CE
-        # give the same loss; AL adds coef * KL >= 0
+        # AGG changes gradients only; the stock criterion (fairseq's functions), the fused CE and
+        # torch's op (the smoothing converted to its convention) give the same loss; AL adds
+        # coef * KL >= 0
         tol = 1e-5 if key.endswith("fp32") else 2e-2
         assert abs(v["fused_ce"]["loss"] - v["stock"]["loss"]) <= tol * abs(v["stock"]["loss"])
+        for name in ("torch_ref",) if smoothed else ("torch_ref", "torch_auto"):
+            assert abs(v[name]["loss"] - v["stock"]["loss"]) <= tol * abs(v["stock"]["loss"]), (key, name)
         assert v["agg"]["loss"] == pytest.approx(v["fused_ce"]["loss"], rel=1e-6)
         assert v["al"]["loss"] > v["fused_ce"]["loss"]
-        assert set(entry["sweep"]) == {f"{n}@{c}" for n in ("agg", "al") for c in PLAN.chunk_sweep}
+        swept = ("agg", "al") if smoothed else ("agg", "al", "torch_chunk")
+        assert set(entry["sweep"]) == {f"{n}@{c}" for n in swept for c in PLAN.chunk_sweep}
+        # ratios are rounded to 3 decimals: a small one (a disturbed CPU run) keeps few digits
         assert entry["ratios"]["agg_time_vs_stock"] == pytest.approx(
-            v["agg"]["median_ms"] / v["stock"]["median_ms"], rel=1e-2)
+            v["agg"]["median_ms"] / v["stock"]["median_ms"], rel=1e-2, abs=1e-3)
+        assert entry["ratios"]["fused_ce_time_vs_floor"] == pytest.approx(
+            v["fused_ce"]["median_ms"] / v["floor"]["median_ms"], rel=1e-2, abs=1e-3)
+        assert entry["ratios"]["torch_best"].startswith("torch_")
         assert entry["rare_target_fraction"] > 0
 
 
@@ -116,6 +131,7 @@ def test_markdown_has_every_section(smoke):
     assert "CPU smoke run" in markdown
     targets = {t["target"] for t in data["targets"]}
     assert "AGG output-layer time / stock fairseq" in targets
+    assert {"fused CE time / three-matmul floor", "AGG time / three-matmul floor", "AL time / fused CE"} <= targets
     assert "fairseq-train words/s, AGG / stock" in targets
 
 
@@ -137,7 +153,7 @@ def test_a_failing_part_is_recorded_and_the_next_still_runs(tmp_path):
 
 
 def test_bad_arguments_are_refused_up_front(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "fairseq_agg.testing.gpu_check", "--cpu-smoke", "--out",
+    proc = subprocess.run([sys.executable, GPU_CHECK_PY, "--cpu-smoke", "--out",
                            str(tmp_path), "--parts", "correctness,speed"], capture_output=True, text=True)
     assert proc.returncode != 0 and "--parts" in proc.stderr and "speed" in proc.stderr
     assert not (tmp_path / "gpu_check.json").exists()
@@ -171,7 +187,7 @@ def test_precisions_fairseq_cannot_train_at_are_named():
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a GPU")
 def test_without_a_gpu_the_output_says_so(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "fairseq_agg.testing.gpu_check", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, GPU_CHECK_PY, "--out", str(tmp_path)],
                           capture_output=True, text=True)
     assert proc.returncode == 1
     data = json.loads((tmp_path / "gpu_check.json").read_text())

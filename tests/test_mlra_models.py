@@ -11,7 +11,9 @@ from fairseq.data import Dictionary
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.modules import MultiheadAttention
 
-from fairseq_agg.testing import fairseq_runs as fr
+import fairseq_runs as fr
+from fairseq_agg.errors import UsageError
+from fairseq_agg.models.mlra_options import AttentionSite, MLRAOptions
 from fairseq_agg.modules.mlra import MultiheadLowRankAttention
 
 torch.set_num_threads(1)
@@ -171,6 +173,36 @@ def test_bad_per_head_rank_and_targets_fail_at_build(lm_data_bin):
         build(ud + ["--mlra-mode", "per_head", "--attention-rank", "17"])
     with pytest.raises(ValueError, match=r"--mlra-targets must be a non-empty comma-separated subset of q,k,v,o"):
         build(ud + ["--mlra-targets", "q,k,w"])
+
+
+@pytest.mark.parametrize("rank", [math.nan, math.inf, -math.inf, True, 2.5, 0, 17])
+def test_rank_refusals_are_one_line_usage_errors(rank):
+    """Every bad --attention-rank (nan and inf too, which int() would not even convert) is one
+    UsageError naming the flag, the module and its allowed range."""
+    with pytest.raises(UsageError) as e:
+        MLRAOptions(rank=rank, mode="per_head").rank_for(32, 2, "decoder self-attention")
+    assert str(e.value) == (f"--attention-rank {rank} is out of range for the decoder self-attention (embed dim 32, "
+                            "2 heads) with --mlra-mode per_head: it must be an integer 1 <= r <= 16 (the head dim)")
+    assert MLRAOptions(rank=16.0, mode="per_head").rank_for(32, 2) == 16
+
+
+def test_option_and_width_refusals_are_usage_errors():
+    cases = [
+        (lambda: MLRAOptions(mode="blocks"), "--mlra-mode must be one of shared,per_head; got 'blocks'"),
+        (lambda: MLRAOptions(init="xavier"), "--mlra-init must be one of gpt2,matched; got 'xavier'"),
+        (lambda: MLRAOptions(rebalance="width"), "--mlra-rebalance must be one of none,ffn,depth; got 'width'"),
+        (lambda: MLRAOptions(self_attention="both"),
+         "--mlra-self-attention must be one of all,encoder,decoder,none; got 'both'"),
+        (lambda: MLRAOptions(targets="q,x"), "--mlra-targets must be a non-empty comma-separated subset of q,k,v,o; "
+                                             "got 'q,x'"),
+        (lambda: MLRAOptions().validate([AttentionSite("decoder", "decoder self-attention", 30, 4, None, True)]),
+         "decoder self-attention: embed dim 30 is not divisible by 4 attention heads "
+         "(--*-embed-dim must be a multiple of --*-attention-heads)"),
+    ]
+    for make, message in cases:
+        with pytest.raises(UsageError) as e:
+            make()
+        assert str(e.value) == message
 
 
 # ----------------------------------------------------------------------------------------------

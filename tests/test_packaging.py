@@ -24,11 +24,11 @@ import torch
 
 import fairseq
 import fairseq_agg
-from fairseq_agg.testing import fairseq_runs as fr
+import fairseq_runs as fr
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # what the sdist is built from (the rest of the checkout is not part of the package)
-SOURCES = ("pyproject.toml", "README.md", "LICENSE", "fairseq_agg_cli.py", "fairseq_agg")
+SOURCES = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "fairseq_agg_cli.py", "fairseq_agg")
 SITE_PACKAGES = sysconfig.get_paths()["purelib"]
 
 
@@ -106,7 +106,22 @@ def test_sdist_and_wheel_contents(built):
     assert not any(f.startswith(("tests/", "examples/", "scripts/")) for f in files)
     entry_points = _wheel_file(built["wheel"], ".dist-info/entry_points.txt")
     assert "fairseq-agg = fairseq_agg_cli:main" in entry_points
-    assert "fairseq-agg-analyze = fairseq_agg.stats.analyze:main" in entry_points
+    assert "fairseq-agg-analyze = fairseq_agg_cli:analyze_main" in entry_points
+
+
+def test_wheel_holds_no_test_or_benchmark_code(built):
+    """Only what a user runs: the tests' helpers (tests/support), the benchmarks, the accelerator
+    check and the reference constructions (scripts/) stay in the checkout."""
+    _, files = _wheel_metadata(built["wheel"])
+    checkout_only = {os.path.basename(path) for folder in ("tests", "scripts")
+                     for path in glob.glob(os.path.join(REPO, folder, "**", "*.py"), recursive=True)}
+    assert {"gpu_check.py", "bench_criterion.py", "reference_constructions.py", "fairseq_runs.py"} <= checkout_only
+    assert not [f for f in files if os.path.basename(f) in checkout_only]
+    assert not [f for f in files if re.search(r"(^|/)(tests?|testing|benchmarks?)/", f)]
+    with zipfile.ZipFile(built["wheel"]) as zf:
+        importing_pytest = [name for name in zf.namelist() if name.endswith(".py")
+                            and re.search(rb"^\s*(import|from)\s+pytest\b", zf.read(name), re.M)]
+    assert not importing_pytest
 
 
 def test_requirements_never_replace_torch_or_fairseq(built):
@@ -186,12 +201,122 @@ def test_import_without_fairseq_says_what_to_install(built, tmp_path):
     leave_out = ("fairseq", "fairseq_cli", fairseq_dist.replace("-", "_"))
     python, purelib = _venv_with_links(str(tmp_path / "venv"), leave_out=leave_out)
     _pip("--python", python, "install", "--no-index", "--no-deps", built["wheel"], cwd=tmp_path)
-    proc = _run([python, "-c", "import fairseq_agg"], cwd=tmp_path, expect_ok=False)
-    assert proc.returncode == 1
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("ImportError: fairseq-agg needs fairseq, which is not installed: ")
-    assert "--no-build-isolation 'fairseq-agg[fairseq]'" in last
-    assert "ModuleNotFoundError" not in proc.stderr  # the one line, not a chained traceback
+    # the pure-torch core works without fairseq; the fairseq side says what to install
+    core = _run([python, "-c", "import sys, fairseq_agg.ops; assert 'fairseq' not in sys.modules"], cwd=tmp_path)
+    assert core.returncode == 0, core.stderr
+    for side in ("fairseq_agg.criterions", "fairseq_agg.models", "fairseq_agg.optim.fairseq_coupled_adam"):
+        proc = _run([python, "-c", f"import {side}"], cwd=tmp_path, expect_ok=False)
+        assert proc.returncode == 1, side
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith("ImportError: fairseq-agg needs fairseq, which is not installed: "), (side, last)
+        assert "--no-build-isolation 'fairseq-agg[fairseq]'" in last
+        assert "ModuleNotFoundError" not in proc.stderr  # the one line, not a chained traceback
     # the path still prints: it needs neither torch nor fairseq
     printed = _run([os.path.join(os.path.dirname(python), "fairseq-agg")], cwd=tmp_path).stdout.strip()
     assert printed == os.path.join(purelib, "fairseq_agg")
+
+
+def test_legacy_setup_py_and_editable_install(built):
+    """setup.py reads pyproject.toml: legacy ``python setup.py`` tooling and pip's editable install
+    see the same package (in a copy of the sources, so the checkout gets no build files)."""
+    src = built["root"] / "src"
+    assert _run([sys.executable, "setup.py", "--version"], cwd=src).stdout.strip().splitlines()[-1] == (
+        fairseq_agg.__version__)
+    report = built["root"] / "editable.json"
+    _pip("install", "--dry-run", "--no-deps", "--no-build-isolation", "--no-index", "--report", report,
+         "--editable", src, cwd=built["root"])
+    (item,) = json.loads(report.read_text())["install"]
+    assert item["metadata"]["name"] == "fairseq-agg" and item["metadata"]["version"] == fairseq_agg.__version__
+    assert item["download_info"]["dir_info"] == {"editable": True}
+
+
+# numpy 2 (issue #23): installing the package into an environment that already has torch, a fairseq
+# and numpy 2.x changes none of the three, and the README's training paths run there.
+NUMPY_2 = "2.2.6"
+# the fairseq extensions compiled against numpy's C API (NumpyExtension in fairseq's setup.py); a
+# build for numpy 1.x does not import under numpy 2, so the test builds them against numpy 2 as a
+# user's fairseq for numpy 2 is built (its torch extensions libbase, libnat, libbleu do not use numpy)
+FAIRSEQ_NUMPY_EXTENSIONS = ("fairseq.data.data_utils_fast", "fairseq.data.token_block_utils_fast")
+_BUILD_EXTENSIONS = (
+    "import sys, numpy; from Cython.Build import cythonize; from setuptools import Extension, setup; "
+    "setup(name='fairseq-numpy-extensions', script_args=['build_ext', '--inplace'], ext_modules=cythonize(["
+    "Extension(n, [n.replace('.', '/') + '.pyx'], language='c++', include_dirs=[numpy.get_include()], "
+    "extra_compile_args=['-std=c++11', '-O3']) for n in sys.argv[1:]], quiet=True))"
+)
+
+
+def _index_env():
+    """os.environ without PYTHONPATH: pip with this machine's own configuration (index, certificates)."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+def _freeze(python, names, cwd):
+    """The ``pip freeze`` line of each distribution of ``names`` (None when it is not installed)."""
+    def normal(name):
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    lines = _pip("--python", python, "freeze", cwd=cwd).stdout.splitlines()
+    found = {normal(re.split(r"[=@ ]", line, maxsplit=1)[0]): line for line in lines}
+    return {name: found.get(normal(name)) for name in names}
+
+
+def _fairseq_for_the_venv_numpy(python, links, sdist, tmp_path):
+    """Replaces the venv's link to this environment's fairseq by a tree of links to its files, with
+    FAIRSEQ_NUMPY_EXTENSIONS built from ``sdist`` against the venv's numpy."""
+    with tarfile.open(sdist) as tar:
+        tar.extractall(tmp_path / "fairseq-src", filter="data")
+    (src,) = (tmp_path / "fairseq-src").iterdir()
+    # setuptools imports it; the links leave it out (it belongs with a .pth file they do not copy)
+    os.symlink(os.path.join(SITE_PACKAGES, "_distutils_hack"), os.path.join(links, "_distutils_hack"))
+    _run([python, "-c", _BUILD_EXTENSIONS, *FAIRSEQ_NUMPY_EXTENSIONS], cwd=src)
+    original = os.path.realpath(os.path.join(links, "fairseq"))
+    os.remove(os.path.join(links, "fairseq"))
+    rebuilt = {name.rsplit(".", 1)[1] + "." for name in FAIRSEQ_NUMPY_EXTENSIONS}
+    for folder, _, files in os.walk(original):
+        target = os.path.join(links, "fairseq", os.path.relpath(folder, original))
+        os.makedirs(target, exist_ok=True)
+        for name in files:
+            if not (name.startswith(tuple(rebuilt)) and name.endswith(".so")):
+                os.symlink(os.path.join(folder, name), os.path.join(target, name))
+    for name in FAIRSEQ_NUMPY_EXTENSIONS:
+        (built_ext,) = glob.glob(os.path.join(src, name.replace(".", "/") + ".*.so"))
+        shutil.copy2(built_ext, os.path.join(links, name.rsplit(".", 1)[0].replace(".", "/")))
+
+
+def test_install_into_an_environment_with_numpy_2_changes_nothing(built, lm_data_bin, mt_data_bin, tmp_path):
+    fairseq_dist = _distribution_of("fairseq")
+    fairseq_version = importlib.metadata.version(fairseq_dist)
+    downloads = tmp_path / "downloads"
+    # the only steps that need the package index: numpy 2 and fairseq's source
+    for spec, binary in ((f"numpy=={NUMPY_2}", "--only-binary"), (f"{fairseq_dist}=={fairseq_version}", "--no-binary")):
+        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-build-isolation", binary, ":all:",
+              "-d", downloads, spec], cwd=tmp_path, env=_index_env())
+    (sdist,) = [p for p in downloads.iterdir() if p.name.endswith(".tar.gz")]
+
+    python, purelib = _venv_with_links(str(tmp_path / "venv"), leave_out=("numpy",))
+    _pip("--python", python, "install", "--no-index", "--no-deps", "--find-links", downloads, f"numpy=={NUMPY_2}",
+         cwd=tmp_path)
+    _fairseq_for_the_venv_numpy(python, str(tmp_path / "venv" / "outer-packages"), sdist, tmp_path)
+    names = ("torch", fairseq_dist, "numpy")
+    before = _freeze(python, names, tmp_path)
+    assert before["numpy"] == f"numpy=={NUMPY_2}" and before["torch"] == f"torch=={torch.__version__}"
+    assert before[fairseq_dist] == f"{fairseq_dist}=={fairseq_version}"
+
+    # no index: a requirement the environment does not meet (numpy<2 did) fails instead of installing
+    report = tmp_path / "report.json"
+    _pip("--python", python, "install", "--no-index", "--report", report, built["wheel"], cwd=tmp_path)
+    assert [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]] == ["fairseq-agg"]
+    assert _freeze(python, names, tmp_path) == before
+
+    # the README's training paths under numpy 2: a language model and a translation model with the
+    # plugin's criterion and its statistics, loaded from the installed copy
+    user_dir = os.path.join(purelib, "fairseq_agg")
+    for data, args in ((lm_data_bin, fr.TINY_LM_ARGS), (mt_data_bin, fr.TINY_MT_ARGS)):
+        code = ("import numpy, runpy; print('numpy', numpy.__version__); "
+                "runpy.run_module('fairseq_cli.train', run_name='__main__')")
+        proc = _run([python, "-c", code, data, "--user-dir", user_dir, *args, "--criterion", "cross_entropy_agg",
+                     "--embed-stats-interval", "1", "--max-update", "2", "--no-save", "--log-format", "json"],
+                    cwd=tmp_path, env=_clean_env(OMP_NUM_THREADS="2"))
+        assert proc.stdout.startswith(f"numpy {NUMPY_2}\n")
+        records = [r for r in fr.read_json_log(proc.stdout + proc.stderr) if "agg_rare" in r and "tev_mu" in r]
+        assert records and records[-1]["num_updates"] == "2", proc.stdout[-3000:]

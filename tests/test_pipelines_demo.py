@@ -14,7 +14,7 @@ import pytest
 from examples import demo_common as dc
 from examples.demo import bible
 from examples.demo import run as demo_run
-from fairseq_agg.testing import fairseq_runs
+import fairseq_runs
 
 SCHEMA = """
 CREATE TABLE metadata (key TEXT PRIMARY KEY, value TEXT NOT NULL);

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from examples.demo_mt import data as mtdata
-from fairseq_agg.testing import fairseq_runs
+import fairseq_runs
 
 DING_HEADER = """# Version :: devel 2023-01-30
 # Copyright (c) :: Frank Richter <frank.richter.tu-chemnitz.de>, 1995 - 2023

@@ -17,7 +17,7 @@ import zipfile
 import pytest
 
 from examples import textprep
-from fairseq_agg.testing import fairseq_runs
+import fairseq_runs
 
 
 @pytest.fixture(scope="session")

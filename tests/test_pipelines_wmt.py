@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from examples import textprep
-from fairseq_agg.testing import fairseq_runs
+import fairseq_runs
 
 
 @pytest.fixture(scope="session")
@@ -381,8 +381,13 @@ def test_compound_split_is_the_community_recipe(tmp_path):
 @needs_perl
 def test_split_compounds_matches_perl_on_bytes():
     # perl -ple reads bytes: \S is any byte but ASCII whitespace, so a no-break space or a
-    # multi-byte letter next to a hyphen is "non-space" to it; Python's re.ASCII agrees
+    # multi-byte letter next to a hyphen is "non-space" to it, and a multi-byte character between
+    # two hyphens is two or more "characters", one for each match
     lines = ["a-b-c-d-e", "x--y", "-a b- c-", "ü-ö 3-4-5", "x\u00a0-y", "a -b- c", "\t-\t", "a\u2009-\u2009b",
-             "##AT##-##AT##", "Ost-West-Konflikt-Forschung e.V.-Mitglied"]
+             "##AT##-##AT##", "Ost-West-Konflikt-Forschung e.V.-Mitglied", "TNF-α-Blocker", "x-é-y",
+             "a-€-b-😀-c", "é-é-é", "x-\u00a0-y", "-é-"]
     assert [textprep.split_compounds(line) for line in lines] == _perl_split(lines)
     assert textprep.split_compounds("x\u00a0-y") == "x\u00a0 ##AT##-##AT## y"
+    # by hand: on characters, the first match would take the "α" and leave "α-Blocker" whole
+    assert textprep.split_compounds("TNF-α-Blocker") == "TNF ##AT##-##AT## α ##AT##-##AT## Blocker"
+    assert textprep.split_compounds("x-é-y") == "x ##AT##-##AT## é ##AT##-##AT## y"

@@ -14,10 +14,11 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.logging import metrics
 
 import fairseq_agg  # noqa: F401  (registers the criteria)
-from fairseq_agg.testing import fairseq_runs as fr
+import fairseq_runs as fr
+from fairseq_agg.errors import UsageError
 from fairseq_agg.stats import groups as G
 from fairseq_agg.stats.config import EmbeddingStatsSettings
-from fairseq_agg.stats.live import MARKER, EmbeddingStatsMixin, compute_embedding_stats, reduce_embedding_stats
+from fairseq_agg.stats.live import MARKER, EmbeddingStats, compute_embedding_stats, reduce_embedding_stats
 from fairseq_agg.stats.matrices import embedding_matrices
 from fairseq_agg.stats.metrics import isotropy, mean_pairwise_cosine, tev_stats
 
@@ -112,19 +113,80 @@ def _mt_args(untied=True):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"embed_stats_interval": -1}, r"--embed-stats-interval must be an integer >= 0 \(0 = off\), got -1"),
-        ({"embed_stats_interval": "often"}, r"--embed-stats-interval must be an integer"),
-        ({"embed_isotropy_interval": -5}, r"--embed-isotropy-interval must be an integer >= 0"),
+        ({"embed_stats_interval": -1}, r"--embed-stats-interval must be an integer >= 0, got -1"),
+        ({"embed_stats_interval": "often"}, r"--embed-stats-interval must be an integer >= 0, got 'often'"),
+        ({"embed_stats_interval": 2.5}, r"--embed-stats-interval must be an integer >= 0, got 2.5"),
+        ({"embed_stats_interval": math.nan}, r"--embed-stats-interval must be an integer >= 0, got nan"),
+        ({"embed_stats_interval": math.inf}, r"--embed-stats-interval must be an integer >= 0, got inf"),
+        ({"embed_stats_interval": True}, r"--embed-stats-interval must be an integer >= 0, got True"),
+        ({"embed_isotropy_interval": -5}, r"--embed-isotropy-interval must be an integer >= 0, got -5"),
+        ({"embed_stats_interval": 5, "embed_isotropy_interval": math.nan},
+         r"--embed-isotropy-interval must be an integer >= 0, got nan"),
         ({"embed_group_fractions": "0.5,0.5,0.5"}, r"--embed-group-fractions: expected three fractions"),
+        ({"embed_group_fractions": "nan,0.5,0.5"}, r"--embed-group-fractions: expected three fractions"),
         ({"embed_group_preset": "wiki"}, r"--embed-group-preset must be one of wikitext103-official"),
         ({"tev_matrices": "both"}, r"--tev-matrices must be one of input, output, all"),
         ({"iso_rows": "some"}, r"--iso-rows must be one of all, no-pad-madeup, no-special"),
-        ({"tev_init_std": 0.0}, r"--tev-init-std must be a positive number"),
+        ({"tev_init_std": 0.0}, r"--tev-init-std must be > 0, got 0.0"),
+        ({"embed_stats_interval": 5, "tev_init_std": math.inf}, r"--tev-init-std must be > 0, got inf"),
+        ({"embed_stats_interval": 5, "tev_init_std": -math.nan}, r"--tev-init-std must be > 0, got nan"),
     ],
 )
 def test_bad_settings_name_the_flag(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(UsageError, match=message) as e:
         EmbeddingStatsSettings(**kwargs)
+    assert "\n" not in str(e.value)
+
+
+OFF = "has no effect while --embed-stats-interval is 0 \\(statistics off\\): give --embed-stats-interval N > 0 too"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"tev_effective": True}, r"^--tev-effective " + OFF),
+        ({"embed_stats_groups": True}, r"^--embed-stats-groups " + OFF),
+        ({"no_embed_stats_valid": True}, r"^--no-embed-stats-valid " + OFF),
+        ({"tev_init_std": 0.05}, r"^--tev-init-std 0.05 " + OFF),
+        ({"iso_rows": "all"}, r"^--iso-rows all " + OFF),
+        ({"tev_matrices": "output"}, r"^--tev-matrices output " + OFF),
+        ({"embed_group_fractions": "0.2,0.5,0.3"}, r"^--embed-group-fractions 0.2,0.5,0.3 " + OFF),
+        ({"embed_group_preset": "wikitext103-official"}, r"^--embed-group-preset wikitext103-official " + OFF),
+        ({"embed_isotropy_interval": 0}, r"^--embed-isotropy-interval 0 " + OFF),
+        # isotropy alone (--embed-isotropy-interval > 0): the TEV flags have no effect
+        ({"embed_isotropy_interval": 5, "tev_exclude_special": True},
+         r"^--tev-exclude-special has no effect \(it changes TEV\) while --embed-stats-interval is 0 "
+         r"\(only isotropy, every 5 updates\): give --embed-stats-interval N > 0 too"),
+        ({"embed_isotropy_interval": 5, "tev_init_std": 0.1}, r"^--tev-init-std 0.1 has no effect \(it changes TEV\)"),
+    ],
+)
+def test_flags_without_effect_name_both_flags(kwargs, message):
+    with pytest.raises(UsageError, match=message):
+        EmbeddingStatsSettings(**kwargs)
+
+
+def test_flags_with_effect_are_accepted():
+    # the defaults given explicitly, in another spelling, are no change
+    off = EmbeddingStatsSettings(embed_group_fractions="0.3, 0.5, 0.2", tev_matrices="all",
+                                 embed_isotropy_interval=None)
+    assert not off.enabled
+    iso_only = EmbeddingStatsSettings(embed_isotropy_interval=5, embed_stats_groups=True, iso_rows="all",
+                                      tev_matrices="output", no_embed_stats_valid=True)
+    assert (iso_only.interval, iso_only.iso_interval, iso_only.groups, iso_only.valid) == (0, 5, True, False)
+    on = EmbeddingStatsSettings(embed_stats_interval=3, tev_effective=True, tev_init_std=0.05, embed_stats_groups=True)
+    assert (on.iso_interval, on.effective, on.init_std) == (30, True, 0.05)
+
+
+def test_group_flags_serve_agg_freezing_with_statistics_off(lm_data_bin):
+    """--agg-freeze-set group reads its static rare group from the statistics' group flags
+    (docs/baselines.md), so there they have an effect with the statistics off."""
+    agg = [lm_data_bin, "--user-dir", fr.USER_DIR, "--criterion", "cross_entropy_agg", "--agg-freeze-rare",
+           "--embed-group-fractions", "0.2,0.5,0.3"] + fr.TINY_LM_ARGS
+    _, _, criterion = build(agg + ["--agg-freeze-set", "group"])
+    settings = criterion.embedding_stats.settings
+    assert not settings.enabled and settings.fractions == (0.2, 0.5, 0.3)
+    with pytest.raises(UsageError, match=r"^--embed-group-fractions 0.2,0.5,0.3 " + OFF):
+        build(agg)  # the default --agg-freeze-set window does not read the groups
 
 
 def test_isotropy_interval_defaults_to_ten_times_the_stats_interval():
@@ -152,9 +214,9 @@ def test_embedding_matrices_of_real_models(lm_data_bin, mt_data_bin):
 
 def test_off_by_default_costs_nothing(lm_data_bin):
     _, _, crit = build([lm_data_bin, "--criterion", "cross_entropy_with_stats"] + fr.TINY_LM_ARGS)
-    assert isinstance(crit, EmbeddingStatsMixin) and not crit.embedding_stats_settings.enabled
+    assert isinstance(crit.embedding_stats, EmbeddingStats) and not crit.embedding_stats.settings.enabled
     with metrics.aggregate(new_root=True) as agg:
-        assert crit.log_embedding_stats(object()) is None  # the model is never touched
+        assert crit.embedding_stats.log(object()) is None  # the model is never touched
     assert len(agg) == 0
 
 
@@ -168,7 +230,7 @@ def test_schedule_micro_batches_validation_and_stale_meters(lm_data_bin):
     task.load_dataset("valid")
     sample = next(iter(task.get_batch_iterator(dataset=task.dataset("valid"), max_tokens=256).next_epoch_itr(shuffle=False)))
     metrics.reset()
-    state = crit._embed_stats
+    state = crit.embedding_stats
     lines = {}
     model.train()
     for update in range(1, 7):
@@ -202,7 +264,7 @@ def test_other_ranks_send_the_same_keys_with_zeros(lm_data_bin):
     values plus the other ranks' zeros, divided by the count, are rank 0's values."""
     _, model, crit = build([lm_data_bin, "--criterion", "cross_entropy_with_stats", "--embed-stats-interval", "1",
                             "--embed-stats-groups"] + fr.TINY_LM_ARGS)
-    st = crit._embed_stats
+    st = crit.embedding_stats
     rank0 = compute_embedding_stats(model, st.settings, st.dictionaries)
     other = compute_embedding_stats(model, st.settings, st.dictionaries, measure=False)
     assert list(other) == list(rank0) and "isotropy_rare" in rank0 and set(other.values()) == {0.0}
@@ -354,5 +416,5 @@ def test_bad_flag_fails_at_startup_before_any_checkpoint(lm_data_bin, tmp_path):
         expect_ok=False,
     )
     assert proc.returncode != 0
-    assert "--embed-stats-interval must be an integer >= 0 (0 = off), got -3" in proc.stdout + proc.stderr
+    assert "--embed-stats-interval must be an integer >= 0, got -3" in proc.stdout + proc.stderr
     assert not glob.glob(os.path.join(save, "*.pt"))

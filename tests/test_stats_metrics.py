@@ -12,6 +12,8 @@ from fairseq.data import Dictionary
 from fairseq_agg.fairseq_hooks import madeupword_ids
 from fairseq_agg.stats import groups as G
 from fairseq_agg.stats.metrics import (
+    ISOTROPY_FORMS,
+    canonical_signs,
     embedding_spectrum,
     isotropy,
     mean_pairwise_cosine,
@@ -138,43 +140,76 @@ def test_isotropy_cone_is_far_below_one_and_cloud_is_near_one():
     assert rc["isotropy"] < rr["isotropy"]
 
 
-def test_isotropy_matches_numpy_and_sign_flips():
+def _np_canonical(C):
+    """numpy version of the sign rule: each row's first largest-magnitude coordinate positive."""
+    first = np.argmax(np.abs(C) >= np.abs(C).max(axis=1, keepdims=True) * (1 - 1e-9), axis=1)
+    return C * np.where(C[np.arange(len(C)), first] < 0, -1.0, 1.0)[:, None]
+
+
+def test_isotropy_matches_numpy_whatever_the_eigenvector_signs():
     W = _random(200, 8, seed=6) * torch.linspace(0.2, 1.5, 8) + 0.4  # distinct singular values
     X = W.double().numpy()
     _, _, Vt = np.linalg.svd(X, full_matrices=False)
-    ref = _np_isotropy(X, Vt)
     r = isotropy(W)
-    # sign-symmetric and sign-fixed forms do not depend on the eigensolver's signs
-    assert r["isotropy"] == pytest.approx(ref["isotropy"], rel=1e-9)
-    assert r["isotropy_fixed"] == pytest.approx(ref["isotropy_fixed"], rel=1e-9)
+    ref = _np_isotropy(X, _np_canonical(Vt))
+    for k in ("isotropy", "isotropy_raw", "isotropy_fixed"):
+        assert r[k] == pytest.approx(ref[k], rel=1e-9), k
+    # the common +0.4 direction makes Z(c) ≠ Z(−c): the raw form of the solver's signs would depend
+    # on them; every reported form is the same for any signs of the same eigenvectors
     flips = -np.sign(Vt @ X.mean(0))  # every direction pointing away from the mean
-    Cf = Vt * flips[:, None]
-    rf = isotropy(W, directions=torch.from_numpy(Cf))
-    ro = isotropy(W, directions=torch.from_numpy(Vt))
-    assert rf["isotropy"] == pytest.approx(ro["isotropy"], rel=1e-12)
-    assert rf["isotropy_fixed"] == pytest.approx(ro["isotropy_fixed"], rel=1e-12)
-    # the raw form does depend on the signs (the common +0.4 direction makes Z(c) ≠ Z(−c))
-    assert rf["isotropy_raw"] == pytest.approx(_np_isotropy(X, Cf)["isotropy_raw"], rel=1e-9)
-    toward = isotropy(W, directions=torch.from_numpy(-Cf))  # -Cf: the sign-fixed directions
-    assert toward["isotropy_raw"] == pytest.approx(r["isotropy_fixed"], rel=1e-9)
-    assert abs(rf["isotropy_raw"] - toward["isotropy_raw"]) > 0.1
+    assert abs(_np_isotropy(X, Vt * flips[:, None])["isotropy_raw"] - _np_isotropy(X, -Vt * flips[:, None])[
+        "isotropy_raw"]) > 0.1
+    for signs in (flips, -flips, np.where(np.arange(8) % 3 == 0, -1.0, 1.0)):
+        flipped = isotropy(W, directions=torch.from_numpy(Vt * signs[:, None]))
+        for k in ("isotropy", "isotropy_raw", "isotropy_fixed"):
+            assert flipped[k] == pytest.approx(r[k], rel=1e-12), (k, signs)
 
 
 def test_isotropy_by_hand_when_signs_matter():
-    # rows (2, 0), (0, 1), (0, −1): WᵀW = diag(4, 2), so C = {±e1, ±e2} (signs up to the solver) and
-    #   Z(e1) = e² + 2,  Z(−e1) = e⁻² + 2,  Z(±e2) = 1 + e + e⁻¹;  mean(W) = (2/3, 0)
-    W = torch.tensor([[2.0, 0.0], [0.0, 1.0], [0.0, -1.0]], dtype=torch.float64)
+    # rows (−2, 0), (0, 1), (0, 1), (0, −2): WᵀW = diag(4, 6), so C = {±e2, ±e1}, eigenvalues apart;
+    #   Z(e1) = e⁻² + 3,  Z(−e1) = e² + 3,  Z(e2) = 1 + 2e + e⁻²,  Z(−e2) = 1 + 2/e + e²;
+    #   mean(W) = (−1/2, 0): −e1 points towards it, e2 is orthogonal to it (yet Z(e2) ≠ Z(−e2))
+    W = torch.tensor([[-2.0, 0.0], [0.0, 1.0], [0.0, 1.0], [0.0, -2.0]], dtype=torch.float64)
     e = math.e
-    z_e1, z_minus_e1, z_e2 = e**2 + 2, e**-2 + 2, 1 + e + 1 / e
+    z_e1, z_minus_e1, z_e2, z_minus_e2 = e**-2 + 3, e**2 + 3, 1 + 2 * e + e**-2, 1 + 2 / e + e**2
+    expected = {
+        "isotropy": z_e1 / z_minus_e1,  # over C ∪ −C: 3.1353 / 10.3891 = 0.30179
+        "isotropy_raw": z_e1 / z_e2,  # canonical signs: +e1 and +e2 (largest coordinate positive): 0.47708
+        "isotropy_fixed": z_e2 / z_minus_e1,  # −e1 towards the mean, e2 keeps its canonical sign: 0.63258
+    }
+    assert [round(expected[k], 5) for k in ISOTROPY_FORMS] == [0.30179, 0.47708, 0.63258]
+    bases = ([[1.0, 0.0], [0.0, 1.0]], [[-1.0, 0.0], [0.0, -1.0]], [[0.0, -1.0], [1.0, 0.0]], [[-1.0, 0.0], [0.0, 1.0]])
+    for result in [isotropy(W)] + [isotropy(W, directions=torch.tensor(b)) for b in bases]:
+        for k in ISOTROPY_FORMS:
+            assert result[k] == pytest.approx(expected[k], rel=1e-12), k
+
+
+def test_isotropy_does_not_depend_on_row_order_chunks_or_solver_signs():
+    """Row order and chunking change the Gram matrix by round-off, which may flip the signs the
+    eigensolver returns; the reported values stay the same."""
+    g = torch.Generator().manual_seed(8)
+    W = torch.randn(500, 16, generator=g) * torch.linspace(0.1, 0.6, 16) + 0.3 * torch.randn(16, generator=g)
     r = isotropy(W)
-    assert r["isotropy"] == pytest.approx(z_minus_e1 / z_e1, rel=1e-12)  # over C ∪ −C: 0.2274
-    assert r["isotropy"] == pytest.approx(0.22743, abs=1e-5)
-    # sign-fixed: e1 points along the mean (cᵀ·mean > 0); e2 is orthogonal to it, either sign gives z_e2
-    assert r["isotropy_fixed"] == pytest.approx(z_e2 / z_e1, rel=1e-12)  # 0.4352
-    # raw: the solver's sign of the first eigenvector decides
-    assert r["isotropy_raw"] in (pytest.approx(z_e2 / z_e1, rel=1e-12), pytest.approx(z_minus_e1 / z_e2, rel=1e-12))
-    assert isotropy(W, directions=torch.tensor([[-1.0, 0.0], [0.0, 1.0]]))["isotropy_raw"] == pytest.approx(
-        z_minus_e1 / z_e2, rel=1e-12)
+    spec = embedding_spectrum(W)
+    perm = torch.randperm(500, generator=g)
+    for other in (isotropy(W[perm]), isotropy(W, chunk_rows=37), isotropy(W.double().flip(0)),
+                  isotropy(W, directions=-spec.directions), isotropy(W, spectrum=spec)):
+        for k in ISOTROPY_FORMS:
+            assert other[k] == pytest.approx(r[k], rel=1e-9), k
+    # the spectrum's own directions follow the sign rule: first largest coordinate positive
+    top = spec.directions.abs().argmax(dim=1)
+    assert (spec.directions.gather(1, top[:, None]) > 0).all()
+    assert torch.equal(canonical_signs(-spec.directions), spec.directions)
+
+
+def test_canonical_signs_rule_and_near_ties():
+    C = torch.tensor([[0.6, -0.8], [-0.8, 0.6], [0.0, 0.0]], dtype=torch.float64)
+    assert canonical_signs(C).tolist() == [[-0.6, 0.8], [0.8, -0.6], [0.0, 0.0]]
+    # equal magnitudes up to round-off: the first of them decides, whichever is a hair larger
+    h = 2**-0.5
+    for row in ([h, -h * (1 + 1e-15)], [h * (1 + 1e-15), -h], [-h, h * (1 + 1e-15)]):
+        signed = canonical_signs(torch.tensor([row], dtype=torch.float64))[0]
+        assert signed[0] > 0 and signed[1] < 0, row
 
 
 def test_isotropy_log_space_large_norms_rows_and_chunks():

@@ -17,9 +17,10 @@ from fairseq.data import Dictionary
 from examples.demo import run as demo_run
 from examples.demo import wordsim
 from examples.demo_common import DataUnavailable
+from fairseq_agg.errors import UsageError
 from fairseq_agg.stats import analyze as A
 from fairseq_agg.stats import word_similarity as WS
-from fairseq_agg.testing import fairseq_runs as fr
+import fairseq_runs as fr
 
 M = WS.SPM_MARK
 
@@ -189,6 +190,60 @@ def test_malformed_file_names_file_and_line(tmp_path, text, line, what):
     with pytest.raises(WS.WordSimFileError) as e:
         WS.read_word_pairs(path)
     assert f"{path}, line {line}: " in str(e.value) and what in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("bom", [b"", b"\xef\xbb\xbf"])
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n"])
+def test_file_encodings_line_ends_comments_header_and_case(tmp_path, bom, newline):
+    """The same pairs from a file with or without a UTF-8 byte-order mark, with LF or CRLF line
+    ends, a header line, comments, tab- or space-separated fields and mixed case."""
+    lines = ["# WordSim-like test file", "Word 1\tWord 2\tHuman (mean)", "Tiger\tcat\t7.35", "",
+             "  # indented comment", "OLD  New 1.58", "straße\tStrasse\t10", "new york\tCity\t5e-1", "love sex\t-2"]
+    path = tmp_path / "sim.tsv"
+    path.write_bytes(bom + newline.join(line.encode("utf-8") for line in lines) + newline)
+    assert WS.read_word_pairs(str(path)).pairs == [
+        ("tiger", "cat", 7.35), ("old", "new", 1.58), ("strasse", "strasse", 10.0),  # casefold: ß -> ss
+        ("new york", "city", 0.5), ("love", "sex", -2.0)]
+    # a space-separated header; no header at all
+    assert WS.parse_word_pairs(["word1 word2 score", "a b 1"], "x") == [("a", "b", 1.0)]
+    assert WS.parse_word_pairs(["\ufeffa b 1"], "x") == [("\ufeffa", "b", 1.0)]  # a BOM is only one at the start
+
+
+@pytest.mark.parametrize("data,line,what", [
+    (b"a b 1\nc d 2\n\xe9 f 3\n", 3, "not UTF-8 text (byte 0xe9)"),
+    (b"\xef\xbb\xbfab\tc\t1\r\nx\xe9\ty\t2\r\n", 2, "not UTF-8 text (byte 0xe9)"),
+    (b"a b 1\r\n\r\nc\td e f\r\n", 3, "expected 3 fields 'word1<TAB>word2<TAB>score' (or separated by spaces), "
+                                        "got 4: 'c\\td e f'"),
+    (b"a\tb\t1\tx\n", 1, "got 4"),
+    (b"new york city 5\n", 1, "got 4"),  # a word with a space needs tabs around it
+    (b"word1 word2 score\nheader again\t\t2\n", 2, "an empty word"),
+    (b"a b inf\n", 1, "the score 'inf' is not a finite number"),
+    (b"word1 word2 score\nw1 w2 score\n", 2, "the score 'score' is not a finite number"),  # one header only
+])
+def test_bad_lines_name_file_and_line(tmp_path, data, line, what):
+    path = tmp_path / "bad.txt"
+    path.write_bytes(data)
+    with pytest.raises(WS.WordSimFileError) as e:
+        WS.read_word_pairs(str(path))
+    assert str(e.value).startswith(f"{path}, line {line}: ") and what in str(e.value) and "\n" not in str(e.value)
+    assert isinstance(e.value, UsageError)
+
+
+def test_case_folded_words_find_cased_symbols():
+    # plain words: an exact (lower-case) symbol first, else the most frequent symbol of the same
+    # case-folded form (the lowest id: fairseq dictionaries are in frequency order)
+    d = _dictionary(["The", "the", "Paris", "PARIS", "Straße"])
+    tok = WS.WordTokenizer(d)
+    assert tok.convention == "plain"
+    assert tok.single_token_id("the") == d.index("the")
+    assert tok.single_token_id("paris") == d.index("Paris")
+    assert tok.single_token_id("strasse") == d.index("Straße")
+    assert tok.single_token_id("london") is None
+    # sentencepiece: "▁" + the folded word, and the pieces of a greedy split
+    sp = WS.WordTokenizer(_dictionary([M + "New", M + "York", "Er", M + "a"]))
+    assert sp.single_token_id("york") == sp.dictionary.index(M + "York")
+    assert sp.greedy_pieces("newer") == [M + "new", "er"]
+    assert sp.subword_ids("newer") == [sp.dictionary.index(M + "New"), sp.dictionary.index("Er")]
 
 
 def test_empty_missing_and_clashing_files(tmp_path):

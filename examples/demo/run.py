@@ -68,6 +68,10 @@ METHODS = {
              "what": "frequency-aware CE, pre-weighting of argmax counts (Jiang et al. 2019)"},
     "ul": {"criterion": "cross_entropy_unlikelihood", "arch": "transformer_lm_gpt", "args": [],
            "what": "CE + token-level unlikelihood, alpha 1 (Welleck et al. 2020)"},
+    # an optimizer instead of a criterion (docs/coupled_adam.md); not in the default list either
+    "coupled-adam": {"criterion": "cross_entropy", "arch": "transformer_lm_gpt", "optimizer": "coupled_adam",
+                     "args": [], "what": "stock CE, Coupled Adam: the embedding rows share Adam's second moment "
+                     "(Stollenwerk & Stollenwerk 2025)"},
 }
 DEFAULT_METHODS = ["baseline", "agg", "al", "mlra", "agg+mlra"]
 

@@ -1,2 +1,3 @@
 """The measured study (``scripts/run_study.sh``, docs/study.md): every table and figure of
-docs/results.md from one resumable command, built on the two demos."""
+docs/results.md from one resumable command, built on the two demos (and, for the tail part, its
+own word-level corpus)."""

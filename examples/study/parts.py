@@ -2,7 +2,9 @@
 fairseq-train commands, built from the demos' own tables and ``Demo.train_command``.
 
 A part's runs all share the demo's data, shared training flags and budget; a run changes only
-what it is about (the criterion and its flags, the depth, the tying of the embeddings).
+what it is about (the criterion and its flags, the optimizer, the depth, the tying of the
+embeddings). The tail part trains the LM demo's methods on its own word-level corpus
+(examples/study/tail_data.py).
 Budgets: ``smoke`` (a tiny model for a few updates: the CI check that every step works) and
 ``default`` (the study, sized from timed runs on 2 idle cores: docs/study.md, "Budgets").
 """
@@ -12,7 +14,7 @@ from typing import Dict, List, Tuple
 from examples.demo import run as lm_demo
 from examples.demo_mt import run as mt_demo
 
-PARTS = ("lm", "alpha", "depth", "mt")
+PARTS = ("lm", "alpha", "depth", "mt", "tail")
 BUDGETS = ("smoke", "default")
 
 # The LM parts' tiny smoke model and budget (a few seconds of training on the test fixtures).
@@ -32,6 +34,20 @@ LM_DEFAULT = {"updates": 2400, "max_tokens": 1024, "tokens_per_sample": 128, "wa
 # while cosine runs changed by 0.8 % (2,500 updates) and 0.9 % (4,000) over their last fifth.
 LM_SCHEDULE = ("--lr-scheduler", "cosine")
 NARROW = ["--decoder-embed-dim", "64", "--decoder-ffn-embed-dim", "256", "--decoder-attention-heads", "4"]
+
+# The tail part (word level, about 19k types): a Pre-LN, tied GPT-style decoder (the LM demo's
+# shared flags) of width TAIL_WIDTH. NOT YET CALIBRATED: a first guess (3,000 updates of 1,024
+# tokens, about 0.95 epoch; the 19,480 x d output layer dominates the cost), to be sized so that
+# every baseline seed meets the convergence criterion and the part's 19 runs fit about 4 hours on
+# 2 cores (docs/study.md, "Part tail": calibrate with --only baseline --seeds 1, then change
+# TAIL_WIDTH / TAIL_LAYERS / TAIL_DEFAULT here).
+TAIL_WIDTH, TAIL_LAYERS = 128, 2
+TAIL_MODEL = ["--decoder-layers", str(TAIL_LAYERS), "--decoder-embed-dim", str(TAIL_WIDTH),
+              "--decoder-ffn-embed-dim", str(4 * TAIL_WIDTH), "--decoder-attention-heads", "4"]
+TAIL_DEFAULT = dict(LM_DEFAULT, updates=3000)
+# AGG's threshold in the tail part: the paper's (Yu et al. 2022: 0.03 per update of 32,768 target
+# tokens, the default relative threshold mode) and x3 and x1/3 of it
+TAIL_ALPHA = 0.03
 
 BUDGET = {
     "lm": {
@@ -57,17 +73,26 @@ BUDGET = {
         # the part's hour; the MT demo trains it (--methods mlra)
         "default": dict(mt_demo.BUDGET["default"], model=mt_demo.MODEL["default"], methods=["baseline", "agg"]),
     },
+    "tail": {
+        # a validation every other update (two in the last fifth, for the convergence line), each of
+        # its first 20 batches only: the whole valid split of the real corpus takes half a minute
+        "smoke": dict(LM_SMOKE, model=LM_SMOKE_MODEL, validate_every=2, max_valid_steps=20),
+        "default": dict(TAIL_DEFAULT, model=TAIL_MODEL),
+    },
 }
-SEEDS = {"lm": [1, 2, 3], "alpha": [1], "depth": [1], "mt": [1, 2, 3]}
-# more train_inner lines for the spike counts of the depth part: every max(10, updates // 100) updates
-LOG_LINES = {"lm": 20, "alpha": 20, "depth": 100, "mt": 10}
+SEEDS = {"lm": [1, 2, 3], "alpha": [1], "depth": [1], "mt": [1, 2, 3], "tail": [1, 2, 3]}
+# The tail part's runs of one seed (the first of --seeds); the others have every seed.
+TAIL_ONE_SEED = ("agg-a0.09", "agg-a0.01", "cosreg", "face", "ul", "al", "agg+coupled-adam")
+# more train_inner lines for the spike counts of the depth part: every max(10, updates // 100) updates;
+# for the tail part's curve of AGG's rare set
+LOG_LINES = {"lm": 20, "alpha": 20, "depth": 100, "mt": 10, "tail": 30}
 SPIKE_DEFAULTS = {"window": 10, "gnorm_factor": 2.0, "loss_factor": 1.1}
 UNTIE = "--share-decoder-input-output-embed"
 
 
 def corpus_of(part):
-    """The demo whose data a part trains on: "lm" or "mt"."""
-    return "mt" if part == "mt" else "lm"
+    """The corpus a part trains on: the demos' "lm" or "mt", or the tail part's own "tail"."""
+    return part if part in ("mt", "tail") else "lm"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,10 +122,12 @@ class RunSpec:
                                    budget={budget_name: budget}, train_flags=list(self.train_flags),
                                    log_lines_per_run=LOG_LINES[self.part])
         extra = []
-        if self.corpus == "lm":
+        if self.corpus != "mt":
             # several validations, so that the learning curve and the convergence check have points
             extra = ["--tokens-per-sample", str(budget["tokens_per_sample"]),
-                     "--validate-interval-updates", str(max(1, updates // 10))]
+                     "--validate-interval-updates", str(budget.get("validate_every") or max(1, updates // 10))]
+            if budget.get("max_valid_steps"):
+                extra += ["--max-valid-steps", str(budget["max_valid_steps"])]
         return demo.train_command(self.name, data_bin, run_dir, self.seed, budget_name, updates, cpu, extra)
 
 
@@ -155,7 +182,24 @@ def _named_methods(part, budget) -> List[Tuple[str, dict, Tuple[str, ...], Tuple
     if part == "mt":
         return [(m, mt_demo.METHODS[m], model, tuple(mt_demo.COMMON_TRAIN), {"method": m})
                 for m in budget["methods"]]
+    if part == "tail":
+        out = [(m, M[m], model, flags, {"method": m, "alpha": TAIL_ALPHA if m in ("agg", "freeze") else None})
+               for m in ("baseline", "agg", "freeze", "coupled-adam")]
+        for factor in (3, 1 / 3):
+            a = round(TAIL_ALPHA * factor, 6)
+            method = _variant(M["agg"], f"AGG, alpha {a:g} ({factor:.3g} x the paper's)", ["--agg-alpha", f"{a:g}"])
+            out.append((f"agg-a{a:g}", method, model, flags, {"method": "agg", "alpha": a}))
+        out += [(m, M[m], model, flags, {"method": m}) for m in ("cosreg", "face", "ul", "al")]
+        both = dict(_variant(M["agg"], "AGG, alpha 0.03, with Coupled Adam"), optimizer=M["coupled-adam"]["optimizer"])
+        out.append(("agg+coupled-adam", both, model, flags, {"method": "agg+coupled-adam", "alpha": TAIL_ALPHA}))
+        return out
     raise ValueError(f"unknown part {part!r}")
+
+
+def seeds_of_run(part, name, seeds):
+    """The seeds a run of ``part`` trains: all of ``seeds``, or the first for the tail part's
+    one-seed runs (:data:`TAIL_ONE_SEED`)."""
+    return seeds[:1] if part == "tail" and name in TAIL_ONE_SEED else list(seeds)
 
 
 def run_specs(part, budget_name, seeds) -> List[RunSpec]:
@@ -163,7 +207,7 @@ def run_specs(part, budget_name, seeds) -> List[RunSpec]:
     budget = BUDGET[part][budget_name]
     named = _named_methods(part, budget)
     return [RunSpec(part=part, name=name, seed=seed, method=method, model=model, train_flags=flags, group=group)
-            for seed in seeds for name, method, model, flags, group in named]
+            for seed in seeds for name, method, model, flags, group in named if seed in seeds_of_run(part, name, seeds)]
 
 
 def run_names(part, budget_name) -> List[str]:

@@ -10,6 +10,7 @@ import time
 
 from examples.demo.wordsim import DATASETS
 from examples.demo_common import fmt, markdown_table, mean_spread, seed_band, write_json
+from examples.study import tail_report
 from examples.study.metrics import compare_to_baseline, convergence, count_spikes, group_shares
 from fairseq_agg.stats.plots import pyplot
 
@@ -68,7 +69,7 @@ def headline(part, res):
     text = f"test PPL {m['test_ppl']:.2f}, I(W) {m['isotropy']:.3f}"
     if part == "depth":
         text += f", µTEV {m['tev_mu']:.4f}"
-    if part == "lm":
+    if part in ("lm", "tail"):
         text += f", Uniq {m['uniq']['uniq']}"
     return text
 
@@ -99,6 +100,8 @@ def columns(part, results, spikes):
         (f"test_ppl_{g}", f"test {g}", 1, m(f"test_ppl_{g}")) for g in GROUPS]
     iso = [("isotropy", "I(W)", 3, m("isotropy")), ("isotropy_raw", "I(W) paper", 3, m("isotropy_raw"))]
     train_s = ("train_seconds", "train s", 0, _get(("train_seconds",)))
+    if part == "tail":
+        return tail_report.columns(m, results)
     if part == "lm":
         cols = [("valid_ppl", "valid PPL", 2, m("valid_ppl"))] + ppl + iso + [
             ("tev_mu", "µTEV", 4, m("tev_mu")), ("tev_sigma", "σTEV", 4, m("tev_sigma")),
@@ -218,7 +221,7 @@ def figure_frontier(summary, names, groups, path):
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
     for ax, key, label in ((axes[0], "isotropy", "I(W), sign-symmetric (headline)"),
-                           (axes[1], "isotropy_raw", "I(W), eigenvectors as returned (AGG paper's form)")):
+                           (axes[1], "isotropy_raw", "I(W), AGG paper's form (eigenvector signs by a fixed rule)")):
         for g1, marker in (("code", "o"), ("normalized", "s")):
             sweep = sorted((groups[n]["alpha"], n) for n in names if groups[n].get("g1") == g1)
             if not sweep:
@@ -279,8 +282,9 @@ def figure_depth(summary, names, groups, path):
 NOTES = {
     "lm": "PPL per sentencepiece token on the test books (fairseq-agg-analyze); valid PPL = fairseq's last "
           "validation. freq / med / rare = the 30 % / 50 % / 20 % most / medium / least frequent types. I(W) = "
-          "sign-symmetric isotropy (headline), I(W) paper = over the eigenvectors as returned (the AGG paper's "
-          "form), both of the output embedding (tied: the shared matrix; untied: the output projection). "
+          "sign-symmetric isotropy (headline), I(W) paper = the AGG paper's form, over the eigenvectors each "
+          "signed so that its largest coordinate is positive (a solver's signs are arbitrary), both of the "
+          "output embedding (tied: the shared matrix; untied: the output projection). "
           "ρ = Spearman correlation of word similarity (single-token pairs; sub = all pairs, subword average). "
           "Uniq = distinct tokens in the greedy continuations of test prefixes.",
     "alpha": "AGG at several α (g1 code = the released code, normalized = a_k / α) beside the baseline, "
@@ -289,15 +293,24 @@ NOTES = {
              "tied embedding; a spike is a train_inner value above factor × the median of the previous window values.",
     "mt": "The MT demo: sacreBLEU / chrF on the held-out test pairs (and BLEU per source); rare % = share of the "
           "generated (hyp) and reference (ref) target pieces in the rare frequency group (non-special pieces).",
+    "tail": "Word-level LM on the Bibles, Shakespeare and Milton (vocabulary: train count >= 3, else <unk>). PPL per "
+            "word or punctuation token on the held-out works and books, scored like fairseq-eval-lm with a context "
+            "window; paper freq / med / rare = the AGG paper's groups by frequency rank (its 13,000 / 23,000 / 8,256 "
+            "of 44,256 types as fractions of this vocabulary), 30/50/20 = the demo's. I(W) (sign-symmetric), I(W) "
+            "paper (eigenvector signs by a fixed rule), TEV and mean cos: the tied embedding. ρ = Spearman's rho "
+            "of word similarity over the pairs whose two words are in the vocabulary. Uniq = distinct tokens in "
+            "greedy continuations of test prefixes. AGG rare = AGG's rare set at the last update (from the "
+            "checkpoint's window; frozen rows for freeze), rare seen % = its share with non-zero window counts.",
 }
 
 
-def make_report(part, a, budget, specs, results, out_dir, spikes, invocations, projection=None):
+def make_report(part, a, budget, specs, results, out_dir, spikes, invocations, projection=None, data_report=None):
     """WORK/PART/report/: table.md, results.json and the part's figures; returns out_dir.
     ``invocations``: the records of the invocations that trained the part's runs (store.py).
-    ``projection(labels, checkpoints, png)``, when given, draws the lm part's embedding projections
-    (one panel per method, its first seed) into png: the one figure made from checkpoints, not from
-    result.json; it is left out when a checkpoint is gone."""
+    ``projection(labels, checkpoints, png)``, when given, draws the lm and tail parts' embedding
+    projections (one panel per method, its first seed) into png: the one figure made from
+    checkpoints, not from result.json; it is left out when a checkpoint is gone. ``data_report``:
+    the tail part's (tail_data.data_report)."""
     os.makedirs(out_dir, exist_ok=True)
     names, groups = [], {}
     for s in specs:
@@ -313,9 +326,10 @@ def make_report(part, a, budget, specs, results, out_dir, spikes, invocations, p
              f"Budget `{a.budget}`: {budget['updates']} updates per run; {len(results)} finished runs of "
              f"{len(specs)} planned. Cells: mean±h over the seeds (h = half the range); `*`: the difference to "
              "the baseline exceeds h + h_baseline (needs two seeds or more on both sides).", "",
-             markdown_table(headers, rows), "", NOTES[part], ""]
-    extra = {}
-    if part in ("lm", "alpha", "depth"):
+             *(tail_report.tables(headers, rows) if part == "tail" else [markdown_table(headers, rows)]), "",
+             NOTES[part], ""]
+    extra, figures = {}, {}
+    if part in ("lm", "alpha", "depth", "tail"):
         conv = {}
         for n in names:
             conv[n] = [convergence(r["curves"]["valid_ppl"], r["updates"]) for r in by_name[n]]
@@ -332,7 +346,7 @@ def make_report(part, a, budget, specs, results, out_dir, spikes, invocations, p
                 lines.append(f"Convergence: the {base} valid PPL changed by at most {100 * worst:.2f} % over the last "
                              f"fifth of training (criterion < 1 %): {'met' if ok else '**NOT MET**: not converged'}.")
             lines.append("")
-    if part == "lm":
+    if part in ("lm", "tail"):
         refs = [r["metrics"]["uniq"]["uniq_reference"] for r in results if "uniq" in r["metrics"]]
         u = results[0]["metrics"].get("uniq") or {}
         if refs:
@@ -344,6 +358,11 @@ def make_report(part, a, budget, specs, results, out_dir, spikes, invocations, p
                  f"{v['total_pairs']}" for stem, v in sorted(ws.items()) if v]
         if pairs:
             lines += ["Word-similarity pairs scored: " + "; ".join(pairs) + ".", ""]
+    if part == "tail":
+        more, figures, tail_extra = tail_report.extend(summary, names, by_name, results, len(specs), a.jobs,
+                                                       data_report, out_dir)
+        lines += more
+        extra.update(tail_extra)
     if part == "depth":
         extra["spikes"] = {r["run_id"]: run_spikes(r, spikes) for r in results}
         lines.append(f"Spikes: window {spikes['window']}, gnorm factor {spikes['gnorm_factor']}, loss factor "
@@ -354,12 +373,14 @@ def make_report(part, a, budget, specs, results, out_dir, spikes, invocations, p
                         for r in invocations)
     lines.append(f"Wall time: {run_seconds / 60:.1f} min of runs (sum over runs, training and evaluation); "
                  f"the invocations that trained them: {trained or 'none recorded'}.")
-    figures = {"curves": figure_curves(by_name, names, os.path.join(out_dir, "learning_curves.png"), [
-        ("train_loss", "train loss (bits/token)", False),
-        ("valid_ppl" if part != "mt" else "valid_loss", "valid PPL" if part != "mt" else "valid loss (bits/token)",
-         part != "mt")])}
+    if part != "tail":
+        figures["curves"] = figure_curves(by_name, names, os.path.join(out_dir, "learning_curves.png"), [
+            ("train_loss", "train loss (bits/token)", False),
+            ("valid_ppl" if part != "mt" else "valid_loss", "valid PPL" if part != "mt" else "valid loss (bits/token)",
+             part != "mt")])
     if part == "lm":
         figures["group_ppl"] = figure_group_ppl(summary, names, os.path.join(out_dir, "group_ppl.png"))
+    if part in ("lm", "tail"):
         ckpts = [os.path.join(os.path.dirname(out_dir), by_name[n][0]["run_id"], "checkpoint_last.pt") for n in names]
         if projection is not None and all(os.path.isfile(c) for c in ckpts):
             figures["projections"] = projection(names, ckpts, os.path.join(out_dir, "projections.png"))

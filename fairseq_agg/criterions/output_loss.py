@@ -1,15 +1,21 @@
-"""Shared base of the plugin's output-layer criteria (AGG, the augmented loss, and both together).
+"""The one base class of the plugin's output-layer criteria: the fairseq side of the fused layer.
 
-The criterion runs the model with ``features_only=True`` and applies the decoder's output
-projection itself through :func:`fairseq_agg.ops.fused_linear_loss.fused_linear_loss`, so the
-logits are computed once, in chunks of ``--output-chunk-tokens`` target tokens, and never kept as a
-tokens x V tensor. LM and MT go through the same code; label smoothing is a parameter (fairseq's
-convention). Subclasses add the AGG gates (``compute_gates``) and the augmented loss
-(``output_loss``; see :mod:`fairseq_agg.criterions.augmented_loss`).
+A criterion runs the model with ``features_only=True`` and applies the decoder's output projection
+itself through :func:`fairseq_agg.ops.fused_linear_loss`, so the logits are computed once, in
+chunks of ``--output-chunk-tokens`` target tokens, and never kept as a tokens x V tensor. LM and MT
+go through the same code; label smoothing is a parameter (fairseq's convention). Each criterion
+holds the method objects of :mod:`fairseq_agg.ops` it uses and calls them in its own ``forward``;
+this base gives it the pad-free rows of a batch (:meth:`OutputLossCriterion.output_batch`), the
+request for its flags (:meth:`~OutputLossCriterion.loss_request`), the training loop
+(``self.loop``), the live embedding statistics (``self.embedding_stats``), checkpointed counts
+(:meth:`~OutputLossCriterion.keep_in_checkpoints`) and the logging (:meth:`~OutputLossCriterion.finish`).
 
 Logged like fairseq's stock criteria: ``loss`` (the optimised loss, base 2, per ``sample_size``),
 ``nll_loss`` (plain cross-entropy, base 2, per target token) and ``ppl`` derived from ``nll_loss``.
+With ``reduce=False`` the loss is per target position, as fairseq's ``cross_entropy`` returns it:
+a (B x T,) tensor in the order of ``sample["target"].view(-1)``, 0 at padding.
 """
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -19,13 +25,19 @@ from fairseq import metrics, utils
 from fairseq.criterions import FairseqCriterion
 from omegaconf import II
 
-from fairseq_agg.fairseq_hooks import TrainingObserver, observe_task
-from fairseq_agg.ops.fused_linear_loss import fused_linear_loss
+from fairseq_agg.errors import UsageError, check_number, flag_name
+from fairseq_agg.fairseq_hooks import (
+    TrainingLoop, anchor_criterion_state, anchored, holds_criterion_state, updates_per_epoch,
+)
+from fairseq_agg.ops import LossRequest, LossResult
+from fairseq_agg.ops.checks import check_integer
 from fairseq_agg.stats.config import EmbeddingStatsConfig
-from fairseq_agg.stats.live import EmbeddingStatsMixin, reduce_embedding_stats
-
+from fairseq_agg.stats.live import EmbeddingStats, reduce_embedding_stats
 
 logger = logging.getLogger(__name__)
+
+# A criterion whose counts add more than this to every checkpoint says so once, in the log.
+LARGE_STATE_BYTES = 8 << 20
 
 
 @dataclass
@@ -45,165 +57,197 @@ class OutputLossConfig(EmbeddingStatsConfig):
     ddp_backend: str = II("distributed_training.ddp_backend")
 
 
-def check_range(name, value, ok, allowed):
-    """The one start-up error for a flag out of range, naming the flag and the allowed range."""
-    if not ok:
-        raise ValueError(f"--{name.replace('_', '-')} must be {allowed}, got {value}")
+def flag_default(config_class, name: str):
+    """The default of a flag, read from the config dataclass that declares it."""
+    for config_field in dataclasses.fields(config_class):
+        if config_field.name == name:
+            return config_field.default
+    raise KeyError(name)
+
+
+def refuse_without(cfg, config_class, names, switch_on: bool, switch: str):
+    """A flag of ``names`` given (different from its default) without the switch it needs: a
+    UsageError naming both."""
+    if switch_on:
+        return
+    for name in names:
+        value = getattr(cfg, name)
+        if str(getattr(value, "value", value)) != str(flag_default(config_class, name)):
+            raise UsageError(f"{flag_name(name)} needs {switch}")
 
 
 def output_projection_weight(model):
     """The V x d output matrix of a fairseq decoder, refusing setups without one."""
     decoder = getattr(model, "decoder", None)
     if decoder is None:
-        raise ValueError("this criterion needs an encoder-decoder or decoder-only fairseq model with a decoder")
+        raise UsageError("this criterion needs an encoder-decoder or decoder-only fairseq model with a decoder")
     if getattr(decoder, "adaptive_softmax", None) is not None:
-        raise ValueError(
+        raise UsageError(
             "--adaptive-softmax-cutoff is not supported by this criterion: it needs the full output "
             "projection matrix (train without adaptive softmax)"
         )
     embed = getattr(decoder, "embed_tokens", None)
     if embed is not None and embed.__class__.__name__ == "AdaptiveInput":
-        raise ValueError("--adaptive-input is not supported by this criterion (train with a plain embedding)")
+        raise UsageError("--adaptive-input is not supported by this criterion (train with a plain embedding)")
     projection = getattr(decoder, "output_projection", None)
     if not isinstance(projection, torch.nn.Linear):
-        raise ValueError(
+        raise UsageError(
             "the model has no linear output projection (decoder.output_projection); this criterion "
             "needs one (tied via --share-decoder-input-output-embed / --share-all-embeddings, or untied)"
         )
     if projection.bias is not None:
-        raise ValueError("output projections with a bias are not supported by this criterion")
+        raise UsageError("output projections with a bias are not supported by this criterion")
     return projection.weight
 
 
 @dataclass
 class OutputBatch:
-    """The current micro-batch as the output layer sees it: ``target`` (B, T) with padding, the
-    flat indices ``keep`` of its non-padding positions (the rows given to the output layer, in
-    order) and fairseq's ``sample_size``."""
+    """A micro-batch as the output layer sees it: the ``hidden`` features and ``target`` ids of its
+    non-padding positions (rows ``keep`` of the flattened (B, T) ``padded_target``, in order), the
+    output projection ``weight``, and fairseq's sizes."""
 
+    hidden: torch.Tensor
+    weight: torch.Tensor
     target: torch.Tensor
     keep: torch.Tensor
+    padded_target: torch.Tensor
     sample_size: int
+    ntokens: int
+    nsentences: int
 
 
-class OutputLossCriterion(EmbeddingStatsMixin, TrainingObserver, FairseqCriterion):
-    """Fused output projection + loss; see the module docstring.
+def logged_total(logging_outputs):
+    """``total(key)``: the sum of ``key`` over the logging outputs (0 where missing)."""
+    return lambda key: sum(log.get(key, 0) for log in logging_outputs)
 
-    The training loop reaches it as a :class:`~fairseq_agg.fairseq_hooks.TrainingObserver`:
-    ``self.update_num`` / ``self.ignore_grad`` describe the current micro-batch, and the model is
-    checked in ``begin_epoch``, before fairseq can write any checkpoint.
-    """
 
-    def __init__(self, task, cfg: OutputLossConfig):
-        check_range("label_smoothing", cfg.label_smoothing, 0.0 <= cfg.label_smoothing < 1.0, "in [0, 1)")
-        check_range("output_chunk_tokens", cfg.output_chunk_tokens, cfg.output_chunk_tokens >= 1, ">= 1")
+class OutputLossCriterion(FairseqCriterion):
+    """Fused output projection + loss; see the module docstring. ``name`` is the registered name."""
+
+    def __init__(self, task, cfg: OutputLossConfig, name: str):
+        check_number("label_smoothing", cfg.label_smoothing, 0.0, 1.0, high_open=True)
+        check_integer("output_chunk_tokens", cfg.output_chunk_tokens, 1)
         if cfg.ddp_backend == "fully_sharded":
             # FSDP shards the output matrix, which the fused output layer reads and gates whole
-            raise ValueError(
-                "--ddp-backend fully_sharded (FSDP) is not supported by this criterion: use "
-                "--ddp-backend c10d, pytorch_ddp, legacy_ddp or no_c10d"
-            )
+            raise UsageError("--ddp-backend fully_sharded (FSDP) is not supported by this criterion: use "
+                             "--ddp-backend c10d, pytorch_ddp, legacy_ddp or no_c10d")
         super().__init__(task)
         self.cfg = cfg
-        self.eps = float(cfg.label_smoothing)
+        self.name = name
         self.sentence_avg = cfg.sentence_avg
         self.dictionary = task.target_dictionary
+        self.loop = TrainingLoop(task, cfg.train_subset or "train", on_epoch_batches=self.on_epoch_batches,
+                                 on_begin_epoch=lambda epoch, model: self.check_model(model))
+        self.embedding_stats = EmbeddingStats(cfg, task, self.loop)
+        self.state_names = ()  # submodules whose counts travel with the checkpoints
         self._model_checked = False
-        observe_task(task, self, train_subset=cfg.train_subset or "train")
-
-    def on_begin_epoch(self, epoch, model):
-        self.check_model(model)
-        self._model_checked = True
-
-    def check_model(self, model):
-        """Refuses models without a usable output projection (clear error naming the flag)."""
-        weight = output_projection_weight(model)
-        if weight.size(0) != len(self.dictionary):
-            raise ValueError(
-                f"output projection has {weight.size(0)} rows but the target dictionary has {len(self.dictionary)}"
-            )
-        return weight
+        self._state_size_reported = False
 
     def set_update_num(self, update_num: int, ignore_grad: bool = False):
         """For use outside fairseq-train: the update_num of the micro-batches that follow."""
-        self.on_train_step(update_num, ignore_grad)
+        self.loop.set_update_num(update_num, ignore_grad)
 
-    # --- hooks for subclasses
-    def compute_gates(self, model, target):
-        """AGG gates for this micro-batch, or None (no gating)."""
-        return None
+    def on_epoch_batches(self, batches_per_epoch: int):
+        """The training subset has this many batches per epoch (epoch-sized windows are set here)."""
 
-    def output_layer(self, hidden, weight, target, gates=None, teacher=None, **terms):
-        """The fused output layer: ``(loss, nll, aug_kl)`` summed over the tokens; ``terms`` are the
-        other per-method inputs of :func:`~fairseq_agg.ops.fused_linear_loss.fused_linear_loss`."""
-        return fused_linear_loss(
-            hidden, weight, target, self.eps, gates=gates, teacher=teacher, chunk_size=self.cfg.output_chunk_tokens,
-            **terms,
-        )
+    def check_model(self, model):
+        """Refuses models without a usable output projection (one line naming the flag); fairseq
+        calls it in ``task.begin_epoch``, before it could write any checkpoint."""
+        weight = output_projection_weight(model)
+        if weight.size(0) != len(self.dictionary):
+            raise UsageError(
+                f"the output projection has {weight.size(0)} rows but the target dictionary has {len(self.dictionary)}"
+            )
+        self._model_checked = True
+        return weight
 
-    def output_loss(self, model, hidden, weight, target, gates):
-        """The summed training loss and NLL of the tokens, and the logging entries of extra terms."""
-        loss, nll, _ = self.output_layer(hidden, weight, target, gates)
-        return loss, nll, {}
+    # --- counts in checkpoints
+    def keep_in_checkpoints(self, **counters):
+        """Registers counters (modules with ``nbytes``) whose state travels with every checkpoint."""
+        for name, counter in counters.items():
+            setattr(self, name, counter)
+        self.state_names = tuple(counters)
+        anchor_criterion_state(self)
+        self.report_state_size()
 
-    def adjust_loss(self, loss):
-        return loss
+    def report_state_size(self):
+        """Says once, in the log, when the counts make every checkpoint large."""
+        nbytes = sum(getattr(self, name).nbytes for name in self.state_names)
+        if nbytes > LARGE_STATE_BYTES and not self._state_size_reported:
+            self._state_size_reported = True
+            sizing = [flag_name(c.flag) for c in (getattr(self, n) for n in self.state_names) if hasattr(c, "flag")]
+            logger.warning(f"{self.name}: its counts add {nbytes / 2**20:.0f} MiB to every checkpoint "
+                           f"(a smaller {' or '.join(sizing) or 'vocabulary'} makes them smaller)")
 
-    def extra_logging(self):
-        return {}
+    def set_epoch_window(self, counter, batches_per_epoch: int, method: str):
+        """The auto window (its flag 0): one epoch of updates, once the epoch's length is known."""
+        if not counter.is_configured:
+            window = updates_per_epoch(batches_per_epoch, self.cfg.update_freq)
+            flag = flag_name(counter.flag)
+            logger.info(f"{method} counting window: {window} updates (one epoch; set {flag} to change)")
+            counter.set_window(window)
+            self.report_state_size()
 
-    # --- forward
-    def forward(self, model, sample, reduce=True):
-        if not reduce:
-            raise ValueError("this criterion only supports reduce=True")
+    def load_state_dict(self, state_dict, strict=True, **kwargs):
+        if self.state_names and not holds_criterion_state(state_dict, self.state_names):
+            logger.info(f"the checkpoint has no counts of {self.name} (written by another criterion): they start empty")
+            return None
+        return super().load_state_dict(state_dict, strict=strict, **kwargs)
+
+    # --- one forward
+    def output_batch(self, model, sample) -> OutputBatch:
+        """The model's features (``features_only=True``) at the non-padding targets: padding is
+        masked everywhere, before the output layer."""
         if not self._model_checked:
             self.check_model(model)
-            self._model_checked = True
         weight = output_projection_weight(model)
         net_output = model(**sample["net_input"], features_only=True)
         features = net_output[0]
-        target = model.get_targets(sample, net_output).reshape(-1)
-        features = features.reshape(-1, features.size(-1))
-        keep = target.ne(self.padding_idx).nonzero().squeeze(1)  # padding masked everywhere
-        ntokens = sample["ntokens"]
-        sample_size = sample["target"].size(0) if self.sentence_avg else ntokens
-        # where the kept rows sit in the batch (UL's candidates), and the divisor fairseq will apply
-        self.batch = OutputBatch(target=target.view(sample["target"].shape), keep=keep, sample_size=sample_size)
-        hidden = features.index_select(0, keep)
-        target = target.index_select(0, keep)
+        padded_target = model.get_targets(sample, net_output)
+        target = padded_target.reshape(-1)
+        keep = target.ne(self.padding_idx).nonzero().squeeze(1)
+        ntokens, nsentences = sample["ntokens"], sample["target"].size(0)
+        return OutputBatch(
+            hidden=features.reshape(-1, features.size(-1)).index_select(0, keep), weight=weight,
+            target=target.index_select(0, keep), keep=keep, padded_target=padded_target,
+            sample_size=nsentences if self.sentence_avg else ntokens, ntokens=ntokens, nsentences=nsentences,
+        )
 
-        gates = self.compute_gates(model, target)
-        loss, nll, extra = self.output_loss(model, hidden, weight, target, gates)
-        loss = self.adjust_loss(loss)
+    def loss_request(self, reduce: bool = True) -> LossRequest:
+        """The request of the common flags: label smoothing, chunk size, per-token losses."""
+        return LossRequest(label_smoothing=self.cfg.label_smoothing, chunk_size=self.cfg.output_chunk_tokens,
+                           per_token=not reduce)
 
+    def finish(self, model, batch: OutputBatch, loss, result: LossResult, extra: dict):
+        """fairseq's ``(loss, sample_size, logging_output)``; per-token losses (``reduce=False``)
+        are put back at their (B x T) positions."""
+        nll = result.nll
+        if loss.dim() == 1:
+            loss, nll = self.per_position(batch, loss), self.per_position(batch, nll)
+        if self.state_names:
+            loss = anchored(loss, self)
         logging_output = {
-            "loss": loss.data,
-            "nll_loss": nll.data,
-            "ntokens": ntokens,
-            "nsentences": sample["target"].size(0),
-            "sample_size": sample_size,
+            "loss": loss.data, "nll_loss": nll.data, "ntokens": batch.ntokens, "nsentences": batch.nsentences,
+            "sample_size": batch.sample_size,
         }
         logging_output.update(extra)
-        logging_output.update(self.extra_logging())
-        self.log_embedding_stats(model, logging_output)
-        return loss, sample_size, logging_output
+        self.embedding_stats.log(model, logging_output)
+        return loss, batch.sample_size, logging_output
+
+    @staticmethod
+    def per_position(batch: OutputBatch, values):
+        positions = torch.zeros(batch.padded_target.numel(), dtype=values.dtype, device=values.device)
+        return positions.index_copy(0, batch.keep, values)
 
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:
-        def total(key):
-            return sum(log.get(key, 0) for log in logging_outputs)
-
+        total = logged_total(logging_outputs)
         loss_sum, nll_sum = total("loss"), total("nll_loss")
         ntokens, sample_size = total("ntokens"), total("sample_size")
         metrics.log_scalar("loss", loss_sum / sample_size / math.log(2), sample_size, round=3)
         metrics.log_scalar("nll_loss", nll_sum / ntokens / math.log(2), ntokens, round=3)
         metrics.log_derived("ppl", lambda meters: utils.get_perplexity(meters["nll_loss"].avg))
-        cls.reduce_extra_metrics(logging_outputs, total)
         reduce_embedding_stats(logging_outputs)
-
-    @classmethod
-    def reduce_extra_metrics(cls, logging_outputs, total):
-        """Subclasses log their own keys here (call ``super()`` first)."""
 
     @staticmethod
     def logging_outputs_can_be_summed() -> bool:

@@ -5,21 +5,21 @@
                                                              same sequence, minus the target itself
 
 inside the shared fused output layer, without a tokens x V candidate mask
-(:mod:`fairseq_agg.ops.unlikelihood`); label smoothing applies to the CE part. LM and MT alike (in
-MT the earlier target-side tokens). Logged: ``ul_loss`` (the UL term before alpha, base 2, per
-``sample_size``, the released code's ``custom_loss``) and ``ul_candidates`` (mean |C_t| per
+(:class:`fairseq_agg.ops.UnlikelihoodLoss`); label smoothing applies to the CE part. LM and MT
+alike (in MT the earlier target-side tokens). Logged: ``ul_loss`` (the UL term before alpha, base 2,
+per ``sample_size``, the released code's ``custom_loss``) and ``ul_candidates`` (mean |C_t| per
 target token). Defaults: docs/baselines.md, "UL".
 """
 import math
 from dataclasses import dataclass, field
 
-import torch
 from fairseq import metrics
 from fairseq.criterions import register_criterion
 
-from fairseq_agg.ops.unlikelihood import DEFAULT_CLAMP, unlikelihood_candidates
+from fairseq_agg.ops import UnlikelihoodLoss
+from fairseq_agg.ops.unlikelihood import DEFAULT_CLAMP
 
-from .output_loss import OutputLossConfig, OutputLossCriterion, check_range
+from .output_loss import OutputLossConfig, OutputLossCriterion, logged_total
 
 
 @dataclass
@@ -41,23 +41,20 @@ class UnlikelihoodCriterion(OutputLossCriterion):
     """(Label-smoothed) cross-entropy plus alpha * token-level unlikelihood; see the module docstring."""
 
     def __init__(self, task, cfg: UnlikelihoodConfig):
-        check_range("ul_alpha", cfg.ul_alpha, cfg.ul_alpha >= 0.0, ">= 0")
-        check_range("ul_clamp", cfg.ul_clamp, 0.0 < cfg.ul_clamp < 1.0, "in (0, 1)")
-        super().__init__(task, cfg)
+        super().__init__(task, cfg, "cross_entropy_unlikelihood")
+        self.unlikelihood = UnlikelihoodLoss(alpha=cfg.ul_alpha, clamp=cfg.ul_clamp, pad=self.padding_idx)
 
-    def output_loss(self, model, hidden, weight, target, gates):
-        candidates = unlikelihood_candidates(
-            self.batch.target, self.batch.keep, self.padding_idx, self.cfg.ul_alpha, self.cfg.ul_clamp
-        )
-        loss, nll, _ = self.output_layer(hidden, weight, target, gates, penalty=candidates)
-        zero = torch.zeros((), device=target.device)
-        value = candidates.value_sum if candidates.value_sum is not None else zero
-        count = candidates.candidate_count if candidates.candidate_count is not None else zero
-        return loss, nll, {"ul_loss": value.data, "ul_candidates": count.data}
+    def forward(self, model, sample, reduce=True):
+        batch = self.output_batch(model, sample)
+        result = self.unlikelihood(batch.hidden, batch.weight, batch.padded_target, batch.keep,
+                                   self.loss_request(reduce))
+        extra = {"ul_loss": result.penalty.data, "ul_candidates": result.penalty_candidates.data}
+        return self.finish(model, batch, result.loss, result, extra)
 
     @classmethod
-    def reduce_extra_metrics(cls, logging_outputs, total):
-        super().reduce_extra_metrics(logging_outputs, total)
+    def reduce_metrics(cls, logging_outputs) -> None:
+        super().reduce_metrics(logging_outputs)
+        total = logged_total(logging_outputs)
         sample_size, ntokens = total("sample_size"), total("ntokens")
         if sample_size:
             metrics.log_scalar("ul_loss", total("ul_loss") / sample_size / math.log(2), sample_size, round=4)

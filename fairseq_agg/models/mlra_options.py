@@ -8,7 +8,8 @@ choices, argued in ``docs/mlra.md`` ("Flags").
 * :class:`MLRAConfig` / :class:`TransformerMLRAConfig`: the flags (the LM model adds the first to
   fairseq's ``transformer_lm`` flags, the MT model both to ``transformer``'s).
 * :class:`MLRAOptions`: the flags parsed and validated, in one place. A bad value raises one
-  ``ValueError`` that names the flag and the allowed range. The models build it from their config
+  :class:`~fairseq_agg.errors.UsageError` (a ``ValueError``) that names the flag and the allowed
+  range. The models build it from their config
   and call :meth:`MLRAOptions.validate` on their :class:`AttentionSite` list at build time, before
   anything is written; ``MultiheadLowRankAttention`` builds its options through the same class.
 """
@@ -19,6 +20,7 @@ from typing import Iterable, NamedTuple, Optional, Sequence, Tuple
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.utils import safe_getattr
 
+from fairseq_agg.errors import UsageError, check_number
 from fairseq_agg.modules.low_rank_linear import FACTORISATIONS, INITS
 
 logger = logging.getLogger(__name__)
@@ -132,7 +134,7 @@ def break_even_rank(mode: str, embed_dim: int, num_heads: int) -> float:
 def _choice(value, flag: str, allowed: Sequence[str]) -> str:
     value = str(value)
     if value not in allowed:
-        raise ValueError(f"{flag} must be one of {','.join(allowed)}; got {value!r}")
+        raise UsageError(f"{flag} must be one of {','.join(allowed)}; got {value!r}")
     return value
 
 
@@ -144,11 +146,22 @@ def parse_targets(targets) -> Tuple[str, ...]:
         items = [str(t).strip().lower() for t in targets]
     bad = [t for t in items if t not in TARGETS]
     if bad or not items:
-        raise ValueError(
+        raise UsageError(
             f"--mlra-targets must be a non-empty comma-separated subset of "
             f"{','.join(TARGETS)}; got {targets!r}"
         )
     return tuple(t for t in TARGETS if t in items)
+
+
+def _rank_in_range(rank, hi: int) -> bool:
+    """Whether ``rank`` is an integer in [1, hi] (nan, inf and booleans are not)."""
+    if isinstance(rank, bool):  # check_number would take True for 1
+        return False
+    try:
+        check_number("attention_rank", rank, 1, hi, integer=True)
+    except UsageError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -193,19 +206,20 @@ class MLRAOptions:
         )
 
     def rank_for(self, embed_dim: int, num_heads: int, where: str = "attention") -> int:
-        """The rank of one attention module; raises a ValueError naming --attention-rank when it
-        is out of range for that module's width."""
+        """The rank of one attention module; raises a UsageError naming --attention-rank when it
+        is not an integer in range for that module's width (nan and inf included)."""
         if self.rank is None:
             return default_rank(self.mode, embed_dim, num_heads)
         hi = max_rank(self.mode, embed_dim, num_heads)
         rank = self.rank
-        if isinstance(rank, bool) or int(rank) != rank or not 1 <= rank <= hi:
+        if not _rank_in_range(rank, hi):
+            # the range depends on the module, so the message names the module and its widths
             what = "the embedding dim" if self.mode == "shared" else "the head dim"
-            raise ValueError(
+            raise UsageError(
                 f"--attention-rank {rank} is out of range for the {where} (embed dim {embed_dim}, "
-                f"{num_heads} heads) with --mlra-mode {self.mode}: it must satisfy 1 <= r <= {hi} ({what})"
+                f"{num_heads} heads) with --mlra-mode {self.mode}: it must be an integer 1 <= r <= {hi} ({what})"
             )
-        return int(rank)
+        return int(float(rank))
 
     def self_attention_on(self, side: str) -> bool:
         """Whether the self-attention of the ``encoder`` or ``decoder`` stack is factorised."""
@@ -217,14 +231,15 @@ class MLRAOptions:
 
     def validate(self, sites: Iterable["AttentionSite"]) -> None:
         """Start-up check of the rank against every factorised attention of a model, before
-        anything is built or written: raises a ValueError naming the flag; warns when the rank
+        anything is built or written: raises a UsageError naming the flag; warns when the rank
         saves no parameters."""
         for site in sites:
             if not site.factorised:
                 continue
             where, d, h = site.where, site.embed_dim, site.num_heads
             if d % h:
-                raise ValueError(f"{where}: embed dim {d} is not divisible by {h} attention heads")
+                raise UsageError(f"{where}: embed dim {d} is not divisible by {h} attention heads "
+                                 "(--*-embed-dim must be a multiple of --*-attention-heads)")
             r = self.rank_for(d, h, where)
             if r >= break_even_rank(self.mode, d, h):
                 logger.warning(

@@ -9,8 +9,8 @@ KV-cache sharding method of Liu et al. (2026) that shares the name.
 :class:`MultiheadLowRankAttention` is a drop-in for fairseq's ``MultiheadAttention``: the same
 constructor arguments, forward signature, return values and incremental-state layout (so beam
 search and cache reordering work unchanged). Attention runs through
-``F.scaled_dot_product_attention`` unless attention weights are requested. Design notes and the
-parameter formulas: ``docs/mlra.md``.
+``F.scaled_dot_product_attention`` (its masks: :mod:`fairseq_agg.modules.attention_masks`) unless
+attention weights are requested. Design notes and the parameter formulas: ``docs/mlra.md``.
 """
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -24,6 +24,7 @@ from fairseq.modules.fairseq_dropout import FairseqDropout
 from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.modules.quant_noise import quant_noise
 from fairseq_agg.models.mlra_options import METHOD_NAME, MLRAOptions
+from fairseq_agg.modules.attention_masks import FutureMaskCheck, combined_mask
 from fairseq_agg.modules.low_rank_linear import LowRankLinear, low_rank_param_count, xavier_std
 
 IncrementalState = Dict[str, Dict[str, Optional[Tensor]]]
@@ -118,7 +119,7 @@ class MultiheadLowRankAttention(FairseqIncrementalDecoder):
         self.skip_embed_dim_check = False
         # quant-noise hooks act on the sub-modules' forward, so fusing weights would skip them
         self._fuse = q_noise <= 0
-        self._causal_cache: Optional[Tuple[Tensor, int, bool]] = None
+        self._is_causal_mask = FutureMaskCheck()
         self._fused_cache: Dict[int, Tuple[tuple, Tensor]] = {}
         self.reset_parameters()
         self.init_incremental_state()
@@ -390,7 +391,7 @@ class MultiheadLowRankAttention(FairseqIncrementalDecoder):
             and q.size(2) == k.size(2) and self._is_causal_mask(attn_mask)
         )
         # is_causal lets the fused (flash) kernels run without materialising a mask
-        mask = None if is_causal else self._combined_mask(attn_mask, key_padding_mask, k.size(0), q.dtype)
+        mask = None if is_causal else combined_mask(attn_mask, key_padding_mask, k.size(0), q.dtype)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self._dropout_p(), is_causal=is_causal,
             scale=self.scaling,
@@ -415,48 +416,3 @@ class MultiheadLowRankAttention(FairseqIncrementalDecoder):
         probs_float = F.softmax(scores, dim=-1, dtype=torch.float32)
         probs = self.dropout_module(probs_float.type_as(scores))
         return torch.matmul(probs, v), probs_float
-
-    # -- masks ------------------------------------------------------------------------------------
-
-    def _is_causal_mask(self, attn_mask: Tensor) -> bool:
-        """True when attn_mask is fairseq's square future mask (0 on and below the diagonal,
-        masked above). The answer is cached per mask tensor so that the check, which needs a
-        device sync, runs once; holding a reference keeps the storage from being reused."""
-        if attn_mask.dim() != 2 or attn_mask.size(0) != attn_mask.size(1):
-            return False
-        c = self._causal_cache
-        if (c is not None and c[0].data_ptr() == attn_mask.data_ptr()
-                and c[0].shape == attn_mask.shape and c[0].stride() == attn_mask.stride()
-                and c[0].dtype == attn_mask.dtype and c[1] == attn_mask._version):
-            return c[2]
-        with torch.no_grad():
-            if attn_mask.dtype == torch.bool:
-                upper = torch.triu(attn_mask, 1)
-                ok = bool(torch.equal(upper, torch.triu(torch.ones_like(attn_mask), 1))
-                          and not torch.tril(attn_mask).any())
-            else:
-                m = attn_mask.float()
-                strict = torch.triu(torch.ones_like(m, dtype=torch.bool), 1)
-                ok = bool((m[strict] == float("-inf")).all() and (m[~strict] == 0).all())
-        self._causal_cache = (attn_mask, attn_mask._version, ok)
-        return ok
-
-    @staticmethod
-    def _combined_mask(attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
-                       kv_bsz: int, dtype: torch.dtype) -> Optional[Tensor]:
-        """One mask for [kv_bsz, H, T, S] scores: bool (True = attend) when no additive mask is
-        involved, else additive float in the scores' dtype. attn_mask [T, S] is additive if float
-        (as fairseq's future mask), or True = masked if bool/uint8 (as F.multi_head_attention_forward).
-        key_padding_mask [kv_bsz, S]: nonzero = padding."""
-        kpm = None
-        if key_padding_mask is not None:
-            kpm = key_padding_mask.to(torch.bool).view(kv_bsz, 1, 1, -1)
-        if attn_mask is None:
-            return None if kpm is None else ~kpm
-        if attn_mask.dtype in (torch.bool, torch.uint8):
-            keep = ~attn_mask.to(torch.bool)
-            return keep if kpm is None else keep & ~kpm
-        m = attn_mask.to(dtype)
-        if kpm is not None:
-            m = m.masked_fill(kpm, float("-inf"))
-        return m

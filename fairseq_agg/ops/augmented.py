@@ -10,14 +10,21 @@
   (:mod:`fairseq_agg.ops.fused_linear_loss`) evaluates chunk by chunk through
   :meth:`TeacherTargets.block_kl` and :meth:`TeacherTargets.block_grad_`;
 * :func:`augmented_kl_direct`: the *non-detached* variant, where gradients also flow into E
-  through y~, as its own chunked autograd Function.
+  through y~, as its own chunked autograd Function (summed, or per token);
+* :class:`AugmentedLoss`: the method for a training loop (alpha's warm-up, the teacher, the fused
+  call), the object the fairseq criteria hold.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
 
-from .fused_linear_loss import block_rows, check_output_layer_inputs, loss_dtype, row_dot
+from fairseq_agg.errors import UsageError, check_number
+
+from .checks import check_choice, check_integer
+from .fused_linear_loss import (
+    LossRequest, LossResult, block_rows, check_output_layer_inputs, fused_linear_loss, loss_dtype,
+)
 
 SCALES = ("none", "tau", "tau2")
 MASKED_LOGIT = -1e30
@@ -66,7 +73,9 @@ class TeacherTargets:
             torch.index_select(self.probs, 0, index, out=teacher_out)
         else:
             teacher_out.copy_(self.probs.index_select(0, index))
-        teacher_dot = row_dot(teacher_out, z)
+        # y~.z through tempered_out before it is filled: a product and a row sum are vectorised where
+        # a batched (1 x V) @ (V x 1) product runs as one small GEMV per row, several times slower
+        teacher_dot = torch.mul(teacher_out, z, out=tempered_out).sum(dim=-1)
         inv_tau = 1.0 / self.tau
         torch.add(row_max * -inv_tau, z, alpha=inv_tau, out=tempered_out)
         tempered_out.exp_()
@@ -75,10 +84,22 @@ class TeacherTargets:
         kl = lse_tau - teacher_dot * inv_tau - self.entropy.index_select(0, index)
         return kl, tempered_sum
 
-    def block_grad_(self, tempered, tempered_sum, teacher_rows):
-        """Turns ``tempered`` (from :meth:`block_kl`) into coef * dKL/dz = coef (y^ - y~) / tau (eq. 3.4)."""
+    def block_grad_(self, tempered, tempered_sum, teacher_rows, row_scale=None, add_to=None):
+        """coef * dKL/dz = coef (y^ - y~) / tau (eq. 3.4) from ``tempered`` and its row sums (from
+        :meth:`block_kl`), each row times ``row_scale`` when given: added to ``add_to`` (the block's
+        CE gradient, without forming the KL's apart first), or else written over ``tempered``."""
         scale = self.coef * (1.0 / self.tau)
-        tempered.mul_((scale / tempered_sum).unsqueeze(1)).sub_(teacher_rows, alpha=scale)
+        softmax_rate = scale / tempered_sum  # y^ = tempered / its row sum
+        if row_scale is not None:
+            softmax_rate = softmax_rate * row_scale
+        if add_to is None:
+            grad = tempered.mul_(softmax_rate.unsqueeze(1))
+        else:
+            grad = add_to.addcmul_(tempered, softmax_rate.unsqueeze(1))
+        if row_scale is None:
+            grad.sub_(teacher_rows, alpha=scale)
+        else:
+            grad.addcmul_(teacher_rows, (-scale * row_scale).unsqueeze(1))
 
 
 @torch.no_grad()
@@ -103,25 +124,29 @@ def build_teacher(
     logits = embedding.index_select(0, uniq) @ embedding.t()
     if logits.dtype not in (torch.float32, torch.float64):
         logits = logits.float()  # softmax and entropy in fp32 under fp16/bf16
-    logits.mul_(1.0 / tau)
+    cols = None
     if masked_columns is not None and len(masked_columns):
-        # a large finite logit instead of -inf: the masked columns get exactly 0 mass and
-        # 0 * log p stays 0 in the entropy, without extra masking temporaries
         cols = torch.as_tensor(list(masked_columns), dtype=torch.long, device=logits.device)
-        logits.index_fill_(1, cols, MASKED_LOGIT)
-    # In place, block by block (no second n_u x V tensor): x = s - max s, p = exp(x) / Z, and
-    # H = -sum p log p = log Z - sum exp(x) x / Z.
-    logits.sub_(logits.amax(dim=1, keepdim=True))
-    weighted = torch.empty(logits.size(0), dtype=logits.dtype, device=logits.device)
-    step = block_rows(logits.device, logits.size(1), logits.dtype, logits.size(0))
-    for b in range(0, logits.size(0), step):
+    # In place, block by block (no second n_u x V tensor, and each block's passes in cache):
+    # x = s / tau - max, p = exp(x) / Z, and H = -sum p log p = log Z - sum exp(x) x / Z.
+    n_types = logits.size(0)
+    opts = dict(dtype=logits.dtype, device=logits.device)
+    weighted, norm = torch.empty(n_types, **opts), torch.empty(n_types, **opts)
+    step = block_rows(logits.device, logits.size(1), logits.dtype, n_types)
+    exp_buf = torch.empty((min(step, n_types), logits.size(1)), **opts)
+    for b in range(0, n_types, step):
         x = logits[b : b + step]
-        e = torch.exp(x)
-        weighted[b : b + step] = row_dot(e, x)
-        x.copy_(e)
+        x.mul_(1.0 / tau)
+        if cols is not None:
+            # a large finite logit instead of -inf: the masked columns get exactly 0 mass and
+            # 0 * log p stays 0 in the entropy, without extra masking temporaries
+            x.index_fill_(1, cols, MASKED_LOGIT)
+        x.sub_(x.amax(dim=1, keepdim=True))
+        e = torch.exp(x, out=exp_buf[: x.size(0)])
+        weighted[b : b + step] = x.mul_(e).sum(dim=-1)
+        norm[b : b + step] = e.sum(dim=-1)
+        torch.mul(e, norm[b : b + step].reciprocal().unsqueeze(1), out=x)
     probs = logits
-    norm = probs.sum(dim=-1)
-    probs.mul_(norm.reciprocal().unsqueeze(1))
     entropy = norm.log() - weighted / norm
     return TeacherTargets(
         probs=probs, entropy=entropy, index=inverse, tau=float(tau), coef=float(coef), gate_with_agg=gate_with_agg
@@ -160,54 +185,74 @@ def _chunk_kl(h, y, weight, embedding, tau, masked, acc):
     return kl, log_q, p, diff, u
 
 
+def _direct_kl_pass(hidden, weight, embedding, target, tau, masked, chunk_size, needs, per_token, row_scale=None):
+    """The KL (summed, or per token) and, for the inputs ``needs`` = (H, W, E) asks for, its
+    gradients, each token's row of them multiplied by ``row_scale[t]`` when given."""
+    acc = loss_dtype(hidden, weight, embedding)
+    opts = dict(dtype=acc, device=hidden.device)
+    grad_h, grad_w, grad_e = (torch.zeros(x.shape, **opts) if need else None
+                              for x, need in zip((hidden, weight, embedding), needs))
+    values = torch.empty(hidden.size(0), **opts) if per_token else torch.zeros((), **opts)
+
+    for start in range(0, hidden.size(0), chunk_size):
+        rows = slice(start, start + chunk_size)
+        h, y = hidden[rows], target[rows]
+        kl, log_q, p, diff, u = _chunk_kl(h, y, weight, embedding, tau, masked, acc)
+        if per_token:
+            values[rows] = kl
+        else:
+            values += kl.sum()
+        if not any(needs):
+            continue
+        scale = None if row_scale is None else row_scale[rows].to(acc).unsqueeze(1)
+        if grad_h is not None or grad_w is not None:
+            g_z = log_q.exp_().sub_(p).div_(tau)  # (y^ - y~) / tau
+            if scale is not None:
+                g_z.mul_(scale)
+            if grad_h is not None:
+                grad_h[rows] = (g_z.to(weight.dtype) @ weight).to(acc)
+            if grad_w is not None:
+                grad_w += (g_z.to(h.dtype).t() @ h).to(acc)
+            del g_z
+        if grad_e is not None:
+            # dKL/ds (s unscaled) = y~ [(log y~ - log y^) - KL] / tau
+            g_s = diff.sub_(kl.unsqueeze(1)).mul_(p).div_(tau)
+            if scale is not None:
+                g_s.mul_(scale)
+            g_s = g_s.to(embedding.dtype)
+            grad_e += (g_s.t() @ u).to(acc)  # row i: sum_t g_s[t, i] e_{y_t}
+            grad_e.index_add_(0, y, (g_s @ embedding).to(acc))  # target rows: sum_i g_s[t, i] e_i
+        del log_q, p, diff
+    return values, (grad_h, grad_w, grad_e)
+
+
 class _DirectAugmentedKL(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, embedding, target, tau, masked, chunk_size, compute_grad):
-        need_h, need_w, need_e = ctx.needs_input_grad[:3]
-        need_any = compute_grad and (need_h or need_w or need_e)
-        acc = loss_dtype(hidden, weight, embedding)
-        opts = dict(dtype=acc, device=hidden.device)
-        grad_h = torch.zeros(hidden.shape, **opts) if need_any and need_h else None
-        grad_w = torch.zeros(weight.shape, **opts) if need_any and need_w else None
-        grad_e = torch.zeros(embedding.shape, **opts) if need_any and need_e else None
-        total = torch.zeros((), **opts)
-
-        for start in range(0, hidden.size(0), chunk_size):
-            h = hidden[start : start + chunk_size]
-            y = target[start : start + chunk_size]
-            kl, log_q, p, diff, u = _chunk_kl(h, y, weight, embedding, tau, masked, acc)
-            total += kl.sum()
-            if not need_any:
-                continue
-            if grad_h is not None or grad_w is not None:
-                g_z = log_q.exp_().sub_(p).div_(tau)  # (y^ - y~) / tau
-                if grad_h is not None:
-                    grad_h[start : start + chunk_size] = (g_z.to(weight.dtype) @ weight).to(acc)
-                if grad_w is not None:
-                    grad_w += (g_z.to(h.dtype).t() @ h).to(acc)
-                del g_z
-            if grad_e is not None:
-                # dKL/ds (s unscaled) = y~ [(log y~ - log y^) - KL] / tau
-                g_s = diff.sub_(kl.unsqueeze(1)).mul_(p).div_(tau)
-                g_s = g_s.to(embedding.dtype)
-                grad_e += (g_s.t() @ u).to(acc)  # row i: sum_t g_s[t, i] e_{y_t}
-                grad_e.index_add_(0, y, (g_s @ embedding).to(acc))  # target rows: sum_i g_s[t, i] e_i
-            del log_q, p, diff
-
-        ctx.save_for_backward(grad_h, grad_w, grad_e)
+    def forward(ctx, hidden, weight, embedding, target, tau, masked, chunk_size, per_token, compute_grad):
+        needs = tuple(compute_grad and need for need in ctx.needs_input_grad[:3])
+        # per-token values get a different gradient per token: formed in backward (see fused_linear_loss)
+        values, grads = _direct_kl_pass(
+            hidden, weight, embedding, target, tau, masked, chunk_size, (False,) * 3 if per_token else needs, per_token
+        )
+        ctx.args = (tau, masked, chunk_size, needs, per_token)
+        ctx.save_for_backward(*((hidden, weight, embedding, target) if per_token else grads))
         ctx.dtypes = (hidden.dtype, weight.dtype, embedding.dtype)
-        ctx.computed = need_any
-        return total
+        return values
 
     @staticmethod
     def backward(ctx, grad_out):
-        if not ctx.computed:
+        tau, masked, chunk_size, needs, per_token = ctx.args
+        if not any(needs):
             raise RuntimeError("augmented_kl_direct was called without gradient tracking; it cannot be backpropagated")
-        grad_h, grad_w, grad_e = ctx.saved_tensors
-        outs = []
-        for grad, dtype in zip((grad_h, grad_w, grad_e), ctx.dtypes):
-            outs.append(None if grad is None else (grad * grad_out).to(dtype))
-        return (*outs, None, None, None, None, None)
+        if per_token:
+            hidden, weight, embedding, target = ctx.saved_tensors
+            _, grads = _direct_kl_pass(
+                hidden, weight, embedding, target, tau, masked, chunk_size, needs, False, row_scale=grad_out
+            )
+        else:
+            grads = [None if grad is None else grad * grad_out for grad in ctx.saved_tensors]
+        outs = [None if grad is None else grad.to(dtype) for grad, dtype in zip(grads, ctx.dtypes)]
+        return (*outs, None, None, None, None, None, None)
 
 
 def augmented_kl_direct(
@@ -218,6 +263,7 @@ def augmented_kl_direct(
     tau: float,
     masked_columns: Optional[Sequence[int]] = None,
     chunk_size: int = 2048,
+    per_token: bool = False,
 ) -> torch.Tensor:
     """Summed KL(y~_t || softmax(W h_t / tau)) over the tokens, differentiable in H, W *and* E.
 
@@ -231,11 +277,15 @@ def augmented_kl_direct(
         tau: temperature (> 0) of both softmaxes.
         masked_columns: ids that get no teacher mass (pad, madeupword rows, ...).
         chunk_size: tokens per chunk (>= 1); memory is O(chunk_size x V).
+        per_token: the (N,) per-token KL instead of its sum.
 
     Returns:
-        The scalar sum (fp32, or fp64 for fp64 inputs) of the per-token KL, without the alpha * s(tau) weight.
+        The scalar sum (fp32, or fp64 for fp64 inputs) of the per-token KL, without the alpha * s(tau)
+        weight; with ``per_token``, the (N,) KL of every token.
     """
-    check_output_layer_inputs(hidden, weight, target, chunk_size)
+    check_output_layer_inputs(hidden, weight, target)
+    if not chunk_size >= 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if embedding.dim() != 2 or embedding.size(0) != weight.size(0):
         # its width may differ from W's: only inner products of its own rows are taken
         raise ValueError(f"expected embedding (V, d_E) with V = {weight.size(0)}, got {tuple(embedding.shape)}")
@@ -248,5 +298,73 @@ def augmented_kl_direct(
         hidden.requires_grad or weight.requires_grad or embedding.requires_grad
     )
     return _DirectAugmentedKL.apply(
-        hidden, weight, embedding, target, float(tau), masked, int(chunk_size), compute_grad
+        hidden, weight, embedding, target, float(tau), masked, int(chunk_size), bool(per_token), compute_grad
     )
+
+
+# --- the method object ---------------------------------------------------------------------------
+
+
+class AugmentedLoss:
+    """The augmented loss, J = CE + alpha * s(tau) * KL(y~ || softmax(z / tau)), for any loop.
+
+    Args:
+        alpha: its weight (``--aug-alpha``, >= 0; 0 = plain cross-entropy).
+        temperature: tau of both softmaxes (``--aug-temperature``, > 0).
+        scale: s(tau): ``"none"`` = 1, ``"tau"`` or ``"tau2"`` = tau^2 (``--aug-scale``).
+        warmup_updates: alpha ramps linearly from 0 over this many updates (0 = none).
+        detach_teacher: the teacher y~ is a constant (the default); off, gradients also flow into
+            the embedding through it (a separate chunked pass, :func:`augmented_kl_direct`).
+        gate_with_agg: with AGG's gates in the request, gate the KL's part of dW too.
+        masked_columns: ids that get no teacher mass (padding, vocabulary fillers).
+    """
+
+    def __init__(self, *, alpha: float = 0.5, temperature: float = 10.0, scale: str = "tau", warmup_updates: int = 0,
+                 detach_teacher: bool = True, gate_with_agg: bool = False,
+                 masked_columns: Optional[Sequence[int]] = None):
+        self.alpha = float(check_number("aug_alpha", alpha, 0))
+        self.temperature = float(check_number("aug_temperature", temperature, 0, low_open=True))
+        self.scale = check_choice("aug_scale", scale, SCALES)
+        self.warmup_updates = check_integer("aug_warmup_updates", warmup_updates, 0)
+        if gate_with_agg and not detach_teacher:
+            raise UsageError("--aug-gate-with-agg cannot be combined with --no-aug-detach-target: the non-detached "
+                             "augmented loss is computed outside the fused (gated) output layer")
+        if gate_with_agg and self.alpha == 0:
+            raise UsageError("--aug-gate-with-agg needs --aug-alpha > 0: without the augmented loss there is nothing "
+                             "to gate")
+        self.detach_teacher = bool(detach_teacher)
+        self.gate_with_agg = bool(gate_with_agg)
+        self.masked_columns = None if masked_columns is None else list(masked_columns)
+
+    def alpha_at(self, update_num: Optional[int] = None) -> float:
+        """alpha after the linear warm-up, in the update after ``update_num`` completed ones."""
+        if self.alpha > 0 and self.warmup_updates > 0 and update_num is not None:
+            return self.alpha * min(1.0, (update_num + 1) / self.warmup_updates)
+        return self.alpha
+
+    def coef(self, update_num: Optional[int] = None) -> float:
+        """alpha * s(tau), the weight of the KL in the loss."""
+        return self.alpha_at(update_num) * aug_scale_factor(self.scale, self.temperature)
+
+    def teacher(self, embedding, target, update_num: Optional[int] = None) -> Optional[TeacherTargets]:
+        """The detached teacher of these targets for ``LossRequest.teacher``; None when the
+        augmented loss is off (alpha 0 in this update) or not detached."""
+        if self.alpha_at(update_num) <= 0 or not self.detach_teacher:
+            return None
+        return build_teacher(embedding.detach(), target, self.temperature, self.coef(update_num),
+                             self.masked_columns, gate_with_agg=self.gate_with_agg)
+
+    def __call__(self, hidden, weight, embedding, target, update_num: Optional[int] = None,
+                 request: Optional[LossRequest] = None) -> LossResult:
+        """The fused loss plus the augmented loss; ``embedding`` (V, d_E) is the teacher matrix (the
+        unscaled input embedding, or ``weight``), ``request`` the other terms (AGG's gates, ...)."""
+        request = LossRequest() if request is None else request
+        if self.alpha_at(update_num) <= 0:
+            return fused_linear_loss(hidden, weight, target, request)
+        if self.detach_teacher:
+            teacher = self.teacher(embedding, target, update_num)
+            return fused_linear_loss(hidden, weight, target, replace(request, teacher=teacher))
+        result = fused_linear_loss(hidden, weight, target, request)
+        kl = augmented_kl_direct(hidden, weight, embedding, target, self.temperature, self.masked_columns,
+                                 chunk_size=request.chunk_size, per_token=request.per_token)
+        return replace(result, loss=result.loss + self.coef(update_num) * kl, aug_kl=kl.detach().sum())

@@ -14,11 +14,16 @@ no direction: they are left out and not counted in N.
 
 :func:`cosine_regularizer` is its own autograd Function: forward and backward run over row blocks
 and keep only the inverse norms (V) and s (d), never a normalised V x d copy; all arithmetic in fp32
-(fp64 for fp64 weights) whatever the dtype of W.
+(fp64 for fp64 weights) whatever the dtype of W. :class:`CosRegLoss` is the method for a training
+loop (and the object the fairseq criterion holds).
 """
 from typing import Optional
 
 import torch
+
+from fairseq_agg.errors import check_number
+
+from .checks import check_choice
 
 NORMALIZERS = ("paper", "pairs")
 ZERO_NORM = 1e-12
@@ -108,3 +113,32 @@ def cosine_regularizer(
         included = torch.zeros(weight.size(0), dtype=torch.bool, device=weight.device)
         included[rows] = True
     return _CosineRegularizer.apply(weight, included, normalizer, int(block_rows))
+
+
+class CosRegLoss:
+    """gamma * R(W) for any loop; with several matrices, R summed over the distinct ones.
+
+    Args:
+        gamma: the weight (``--cosreg-gamma``, >= 0; 0 = off, R is still measured).
+        normalizer: ``"paper"`` (N^2) or ``"pairs"`` (N (N - 1)).
+        rows: 1-D ids of the rows in R (``None`` = all; zero rows are always left out).
+    """
+
+    def __init__(self, *, gamma: float = 1.0, normalizer: str = "paper", rows: Optional[torch.Tensor] = None):
+        self.gamma = float(check_number("cosreg_gamma", gamma, 0))
+        self.normalizer = check_choice("cosreg_normalizer", normalizer, NORMALIZERS)
+        self.rows = None if rows is None else torch.as_tensor(rows, dtype=torch.long).reshape(-1)
+
+    def regularizer(self, *matrices: torch.Tensor) -> torch.Tensor:
+        """R summed over the distinct ``matrices`` (a tied matrix given twice counts once);
+        differentiable only when gamma > 0 (R is then part of the loss)."""
+        distinct = list({id(m): m for m in matrices}.values())
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.gamma > 0):
+            return sum(
+                cosine_regularizer(m, None if self.rows is None else self.rows.to(m.device), self.normalizer)[0]
+                for m in distinct
+            )
+
+    def __call__(self, *matrices: torch.Tensor) -> torch.Tensor:
+        """gamma * R: add it to a mean loss (the fairseq criterion adds gamma * R per sample unit)."""
+        return self.gamma * self.regularizer(*matrices)

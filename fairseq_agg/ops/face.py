@@ -11,16 +11,24 @@ Cross-entropy with one weight per target token, from running token counts f (doc
   the model's argmax at position n; the loss of token n is v_n CE_n (v carries no gradient).
 
 The counts are of the model's argmax predictions (``out``, the code's default) or of the targets
-(``gt``). With no counts yet (sum f = 0) every weight is 1.
+(``gt``), over the whole run (the code's) or a sliding window of updates. With no counts yet
+(sum f = 0) every weight is 1.
 
 :class:`FaceWeights` is what the fused output layer (:mod:`fairseq_agg.ops.fused_linear_loss`)
-evaluates block by block: one scalar per row, folded into the row's loss and logit gradient, and,
-for ``out`` counting, the argmax of each row recorded on the way.
+evaluates block by block: one scalar per row, folded into the row's loss and logit gradient (the
+layer returns each row's argmax for ``out`` counting). :class:`FaceLoss` owns the counts and puts
+the pieces together for one training micro-batch.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
+
+from fairseq_agg.errors import UsageError
+
+from .checks import check_choice, check_integer
+from .counting import CountsPerUpdate, CumulativeCounts, RareTokenWindow, check_window, counted_ids  # noqa: F401
+from .fused_linear_loss import LossRequest, LossResult, fused_linear_loss
 
 WEIGHINGS = ("pre", "post")
 FREQUENCIES = ("out", "gt")
@@ -52,18 +60,14 @@ def face_post_weights(counts: torch.Tensor, target: torch.Tensor, predicted: tor
 
 @dataclass
 class FaceWeights:
-    """FACE's per-token weights for one micro-batch, evaluated inside the fused output layer.
+    """FACE's per-token weights for one micro-batch, for ``LossRequest.row_weights``.
 
-    ``token_weight`` (length V) is set for pre-weighting, ``counts`` (length V) for
-    post-weighting. With ``record_predictions`` the argmax of every row is written to
-    ``predictions`` (length N, the ``out`` counts of this micro-batch).
+    ``token_weight`` (length V) is set for pre-weighting, ``counts`` (length V) for post-weighting
+    (which needs each row's argmax, taken by the fused layer in the same pass).
     """
 
     token_weight: Optional[torch.Tensor] = None
     counts: Optional[torch.Tensor] = None
-    record_predictions: bool = False
-    predictions: Optional[torch.Tensor] = None
-    weight_sum: Optional[torch.Tensor] = None  # summed weight of the rows seen (for logging)
 
     def __post_init__(self):
         if (self.token_weight is None) == (self.counts is None):
@@ -71,48 +75,78 @@ class FaceWeights:
 
     @property
     def needs_argmax(self) -> bool:
-        return self.counts is not None or self.record_predictions
+        return self.counts is not None
 
-    def block_row_weight(self, target: torch.Tensor, predicted: Optional[torch.Tensor], rows: slice, n_rows: int):
+    def block_row_weight(self, target: torch.Tensor, predicted: Optional[torch.Tensor]) -> torch.Tensor:
         """The weight of each row of a block (targets ``target``, argmax ``predicted``)."""
-        if self.record_predictions:
-            if self.predictions is None:
-                self.predictions = torch.empty(n_rows, dtype=torch.long, device=target.device)
-            self.predictions[rows] = predicted
         if self.token_weight is not None:
-            weight = self.token_weight.index_select(0, target)
-        else:
-            weight = face_post_weights(self.counts, target, predicted)
-        total = weight.sum().detach()
-        self.weight_sum = total if self.weight_sum is None else self.weight_sum + total
-        return weight
+            return self.token_weight.index_select(0, target)
+        return face_post_weights(self.counts, target, predicted)
 
 
-def counted_ids(ids: torch.Tensor, excluded_id: Optional[int]) -> torch.Tensor:
-    """The ids that enter FACE's counts: all of ``ids`` but ``excluded_id`` (eos in the released code)."""
-    if excluded_id is None:
-        return ids
-    return ids[ids != excluded_id]
+COUNTINGS = ("cumulative", "window")
 
 
-class CumulativeCounts(torch.nn.Module):
-    """Token counts over the whole run, without decay (the released FACE code's estimate).
+class FaceLoss(CountsPerUpdate):
+    """Frequency-aware cross-entropy for any training loop; owns its token counts.
 
-    Same interface as :class:`fairseq_agg.ops.agg_gates.RareTokenWindow` where FACE uses it
-    (``start_update``, ``add``, ``counts``); saved in the module's ``state_dict``.
+    Args:
+        vocab_size: V.
+        weighing: ``"pre"`` (weights from the counts alone) or ``"post"`` (from the counts of the
+            argmax and of the target).
+        frequency: what is counted: ``"out"`` = the model's argmax predictions, after the pass,
+            or ``"gt"`` = the targets, before it.
+        counting: ``"cumulative"`` = over the whole run, never reset (the released code), or
+            ``"window"`` = over the last ``window`` optimizer updates (AGG's sliding window).
+        window: the window's size (``--face-window``), only with ``counting="window"``; ``None``:
+            set it later with :meth:`set_window`.
+        uncounted_id: an id never counted (eos in the released code); None = count every id.
+        all_reduce: sum the counts over the data-parallel ranks of ``process_group``.
     """
 
-    def __init__(self, vocab_size: int):
-        super().__init__()
-        self.register_buffer("counts", torch.zeros(int(vocab_size), dtype=torch.int64))
+    def __init__(self, vocab_size: int, *, weighing: str = "pre", frequency: str = "out",
+                 counting: str = "cumulative", window: Optional[int] = None, uncounted_id: Optional[int] = None,
+                 all_reduce: bool = True, process_group=None):
+        self.vocab_size = check_integer("vocab_size", vocab_size, 2)
+        self.weighing = check_choice("face_weighing", weighing, WEIGHINGS)
+        self.frequency = check_choice("face_frequency", frequency, FREQUENCIES)
+        self.counting = check_choice("face_counting", counting, COUNTINGS)
+        if window is not None:
+            window = check_window("face_window", window, self.vocab_size)
+        if self.counting == "cumulative":
+            if window is not None:
+                raise UsageError("--face-window needs --face-counting window: cumulative counts have no window")
+            self.counts = CumulativeCounts(self.vocab_size)
+        else:
+            self.counts = RareTokenWindow(self.vocab_size, window, flag="face_window")
+        self.window_flag = "--face-window"
+        self.uncounted_id = uncounted_id
+        self.all_reduce = bool(all_reduce)
+        self.process_group = process_group
 
-    is_configured = True
+    def weights(self, device=None) -> FaceWeights:
+        """This micro-batch's weights from the counts as they are now."""
+        counts = self.counts.counts.to(device)
+        if self.weighing == "pre":
+            return FaceWeights(token_weight=face_token_weights(counts))
+        return FaceWeights(counts=counts)
 
-    def start_update(self, t: int):
-        """Nothing to drop: the counts never decay."""
+    def __call__(self, hidden, weight, target, update_num: Optional[int] = None,
+                 request: Optional[LossRequest] = None, dummy: bool = False) -> LossResult:
+        """The FACE-weighted fused loss; with ``update_num`` (training) the counts move: the targets
+        before the pass (``gt``) or the argmax after it (``out``). ``dummy`` (fairseq's dummy batch):
+        count nothing, but still join the data-parallel sum."""
+        request = LossRequest() if request is None else request
+        counting = update_num is not None
+        if counting:
+            self.start_update(update_num)
+            if self.frequency == "gt":
+                self.count(target[:0] if dummy else target)
+        record = counting and self.frequency == "out"
+        request = replace(request, row_weights=self.weights(target.device),
+                          record_argmax=request.record_argmax or record)
+        result = fused_linear_loss(hidden, weight, target, request)
+        if record:
+            self.count(target[:0] if dummy else result.argmax)
+        return result
 
-    def add(self, histogram: torch.Tensor):
-        histogram = histogram.to(torch.int64)
-        if self.counts.device != histogram.device:
-            self.counts = self.counts.to(histogram.device)
-        self.counts += histogram

@@ -17,12 +17,18 @@ the candidates' columns: no tokens x V mask.
 
 The candidates are found without a tokens x V mask either: :func:`first_occurrences` keeps, per
 sequence, each token only at its first position (a stable sort per row), so the distinct tokens
-before position t are exactly the kept entries at positions < t.
+before position t are exactly the kept entries at positions < t. :class:`UnlikelihoodLoss` is the
+method for a training loop (and the object the fairseq criterion holds).
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
+
+from fairseq_agg.errors import check_number
+
+from .checks import check_integer
+from .fused_linear_loss import LossRequest, LossResult, PenaltyBlock, fused_linear_loss
 
 DEFAULT_CLAMP = 1e-5
 
@@ -53,8 +59,6 @@ class UnlikelihoodCandidates:
     position: torch.Tensor
     alpha: float = 1.0
     clamp: float = DEFAULT_CLAMP
-    value_sum: Optional[torch.Tensor] = None  # summed UL value of the rows seen (before alpha)
-    candidate_count: Optional[torch.Tensor] = None  # summed |C_t| of the rows seen
 
     def block_candidates(self, rows: slice, target: torch.Tensor):
         """(ids, valid) of a block of rows, (rows x L) each: row n's candidates are ``ids[n][valid[n]]``.
@@ -69,14 +73,13 @@ class UnlikelihoodCandidates:
         valid = before & (ids >= 0) & (ids != target)
         return torch.where(valid, ids, target), valid
 
-    def block_terms(self, exp_logits: torch.Tensor, exp_sum: torch.Tensor, rows: slice, target: torch.Tensor):
+    def block_terms(self, exp_logits: torch.Tensor, exp_sum: torch.Tensor, rows: slice,
+                    target: torch.Tensor) -> PenaltyBlock:
         """The UL term of a block of rows from exp(z - max z) and its row sums.
 
-        Returns ``(value, rate, ids, coef)``: value[n] = sum_c -log(max(1 - p_c, clamp)) (before
-        alpha), rate[n] = S_n, and coef = r at the slots ``ids`` (0 on invalid and clamped slots):
-        the logit gradient of alpha * value is alpha * (scatter(coef at ids) - rate * p). The sums of
-        the value and of the candidate counts are accumulated in ``value_sum`` and
-        ``candidate_count`` (for logging).
+        value[n] = sum_c -log(max(1 - p_c, clamp)) (before alpha), rate[n] = S_n, and the column
+        gradient r at the slots ``columns`` (0 on invalid and clamped slots): the logit gradient of
+        alpha * value is alpha * (scatter(r at columns) - rate * p). ``candidates`` counts |C_t|.
         """
         ids, valid = self.block_candidates(rows, target)
         p = exp_logits.gather(1, ids) / exp_sum.unsqueeze(1)
@@ -84,10 +87,7 @@ class UnlikelihoodCandidates:
         unclamped = valid & (one_minus > self.clamp)
         value = torch.where(valid, -torch.log(one_minus), torch.zeros_like(p)).sum(1)
         coef = torch.where(unclamped, p / one_minus, torch.zeros_like(p))
-        total, count = value.sum().detach(), valid.sum()
-        self.value_sum = total if self.value_sum is None else self.value_sum + total
-        self.candidate_count = count if self.candidate_count is None else self.candidate_count + count
-        return value, coef.sum(1), ids, coef
+        return PenaltyBlock(value=value, rate=coef.sum(1), columns=ids, column_grad=coef, candidates=valid.sum())
 
 
 def unlikelihood_candidates(target: torch.Tensor, keep: torch.Tensor, pad: int, alpha: float = 1.0,
@@ -101,3 +101,33 @@ def unlikelihood_candidates(target: torch.Tensor, keep: torch.Tensor, pad: int, 
         alpha=float(alpha),
         clamp=float(clamp),
     )
+
+
+class UnlikelihoodLoss:
+    """Token-level unlikelihood training for any loop: CE + alpha * UL over the previous-context
+    candidates.
+
+    Args:
+        alpha: the weight of the UL term (``--ul-alpha``, >= 0; 0 = plain cross-entropy).
+        clamp: lower bound of 1 - p(c) (``--ul-clamp``, in (0, 1)); a clamped candidate adds
+            -log(clamp) and no gradient.
+        pad: the padding id of the (B, T) targets (never a candidate).
+    """
+
+    def __init__(self, *, alpha: float = 1.0, clamp: float = DEFAULT_CLAMP, pad: int = 1):
+        self.alpha = float(check_number("ul_alpha", alpha, 0))
+        self.clamp = float(check_number("ul_clamp", clamp, 0, 1, low_open=True, high_open=True))
+        self.pad = check_integer("pad", pad)
+
+    def candidates(self, padded_target: torch.Tensor, keep: torch.Tensor) -> UnlikelihoodCandidates:
+        """The candidates of the rows ``keep`` (flat indices of the non-pad positions of the (B, T)
+        ``padded_target``, in the order of the rows given to the output layer)."""
+        return unlikelihood_candidates(padded_target, keep, self.pad, self.alpha, self.clamp)
+
+    def __call__(self, hidden, weight, padded_target, keep, request: Optional[LossRequest] = None) -> LossResult:
+        """The fused loss plus alpha * UL; ``hidden`` holds the rows ``keep`` of ``padded_target``
+        (``LossResult.penalty`` is the UL term before alpha, ``penalty_candidates`` the summed |C_t|)."""
+        request = LossRequest() if request is None else request
+        target = padded_target.reshape(-1).index_select(0, keep)
+        request = replace(request, penalty=self.candidates(padded_target, keep))
+        return fused_linear_loss(hidden, weight, target, request)

@@ -12,7 +12,8 @@ Table 1. With ``--word-sim FILE ...`` it also reports word similarity (Spearman'
 embedding cosines and human scores, :mod:`~fairseq_agg.stats.word_similarity`) of every matrix.
 Several checkpoints give one comparison table and overlaid figures.
 
-Outputs in ``--out`` (default ``analysis``): ``report.json``, ``table.md`` (also printed),
+Outputs in ``--out`` (default ``analysis``; checked before any work, each file written under a
+temporary name and renamed when complete): ``report.json``, ``table.md`` (also printed),
 ``spectrum.png`` (singular values of every matrix, overlaid) and ``projection.png`` (the output
 embedding of each checkpoint projected on its top two right-singular directions, coloured by
 frequency group: a degenerate "narrow cone" vs an isotropic cloud).
@@ -71,7 +72,6 @@ report.json schema (version 1)
 Unavailable values (e.g. a group with fewer than two rows for ``mean_cos``, a ppl without
 tokens) are ``null``. ``ppl`` = exp(nll) = 2^(fairseq's base-2 loss), i.e. fairseq's ``ppl``.
 """
-import argparse
 import json
 import logging
 import math
@@ -82,10 +82,13 @@ from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
+from fairseq_agg.errors import UsageError, atomic_output, check_output_directory
+
 from . import groups as G
 from .checkpoints import (
     AnalyzeError,
     cfg_get,
+    check_checkpoint_path,
     check_dictionary_sizes,
     checkpoint_metadata,
     dictionary_info,
@@ -97,6 +100,8 @@ from .metrics import ISOTROPY_FORMS, embedding_spectrum, isotropy, mean_pairwise
 from .perplexity import per_group_perplexity, scoring_tokens_per_sample
 from .plots import plot_projection, plot_spectrum
 from .word_similarity import WordSimFileError, checkpoint_word_similarity, load_spm, read_word_sim_files
+
+logger = logging.getLogger("fairseq_agg.analyze")
 
 METRIC_KEYS = ("tev_mu", "tev_sigma", "tev_mu_over_init", "mean_cos") + ISOTROPY_FORMS
 
@@ -309,8 +314,6 @@ def _check_options(data, rows_policy, fractions):
 def _word_sim_inputs(word_sim, word_sim_spm):
     """(the pairs of every --word-sim file, the loaded --word-sim-spm model or None), read and
     checked before any checkpoint is loaded; AnalyzeError naming the flag, file and line."""
-    if isinstance(word_sim, str):
-        word_sim = [word_sim]
     if word_sim_spm is not None and not word_sim:
         raise AnalyzeError("--word-sim-spm needs --word-sim FILE [FILE ...]")
     try:
@@ -324,17 +327,31 @@ def _word_sim_inputs(word_sim, word_sim_spm):
     return datasets, spm
 
 
-def write_outputs(report, spectra, panels, out, figures, max_points):
-    """report.json, table.md and (with ``figures``) the two PNG files in ``out``."""
-    os.makedirs(out, exist_ok=True)
+def output_paths(out, figures=True) -> Dict[str, str]:
+    """name -> path of every file the command writes in ``out``."""
+    names = (["spectrum.png", "projection.png"] if figures else []) + ["report.json", "table.md"]
+    return OrderedDict((name, os.path.join(out, name)) for name in names)
+
+
+def write_outputs(report, spectra, panels, out, figures, max_points, inputs=()):
+    """report.json, table.md and (with ``figures``) the two PNG files in ``out``, each written under
+    a temporary name and renamed when complete; returns their paths."""
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {out}: cannot create the directory ({e.strerror})") from None
+    paths = output_paths(out, figures)
     if figures:
-        plot_spectrum(spectra, os.path.join(out, "spectrum.png"))
-        plot_projection(panels, os.path.join(out, "projection.png"), max_points=max_points)
+        with atomic_output(paths["spectrum.png"], inputs=inputs, flag="--out") as handle:
+            plot_spectrum(spectra, handle)
+        with atomic_output(paths["projection.png"], inputs=inputs, flag="--out") as handle:
+            plot_projection(panels, handle, max_points=max_points)
         report["figures"] = {"spectrum": "spectrum.png", "projection": "projection.png"}
-    with open(os.path.join(out, "report.json"), "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1, allow_nan=False)
-    with open(os.path.join(out, "table.md"), "w", encoding="utf-8") as f:
-        f.write(table_markdown(report["table"]))
+    with atomic_output(paths["report.json"], inputs=inputs, flag="--out") as handle:
+        handle.write(json.dumps(report, indent=1, allow_nan=False).encode("utf-8"))
+    with atomic_output(paths["table.md"], inputs=inputs, flag="--out") as handle:
+        handle.write(table_markdown(report["table"]).encode("utf-8"))
+    return list(paths.values())
 
 
 def analyze(paths, data=None, split="valid", out="analysis", labels=None, rows_policy="no-pad-madeup",
@@ -343,6 +360,9 @@ def analyze(paths, data=None, split="valid", out="analysis", labels=None, rows_p
             tokens_per_sample=None) -> dict:
     """Programmatic entry point of the command; returns the report dict (also written to disk)."""
     fractions = _check_options(data, rows_policy, fractions)
+    word_sim = [word_sim] if isinstance(word_sim, str) else list(word_sim or [])
+    inputs = list(paths) + word_sim + ([word_sim_spm] if word_sim_spm else [])
+    check_output_directory(out, names=list(output_paths(out, figures)), inputs=inputs, flag="--out")
     word_sim_sets, word_sim_model = _word_sim_inputs(word_sim, word_sim_spm)
     device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     labels = _labels(paths, labels)
@@ -350,7 +370,12 @@ def analyze(paths, data=None, split="valid", out="analysis", labels=None, rows_p
     if not scored and (context_window or tokens_per_sample is not None):
         raise AnalyzeError("--context-window and --tokens-per-sample set how --data is scored; "
                            "pass --data DATA_BIN (without --no-ppl)")
-    states = [load_checkpoint(p) for p in paths]  # fail on any bad path before any work
+    for path in paths:  # fail on any missing path before any work
+        check_checkpoint_path(path)
+    states = []
+    for i, path in enumerate(paths, 1):  # and on any unreadable one before the analysis
+        logger.info("loading checkpoint %d/%d: %s", i, len(paths), path)
+        states.append(load_checkpoint(path))
     if scored:  # refuse a context window that a checkpoint's task or block size rules out, before any work
         for path, state in zip(paths, states):
             scoring_tokens_per_sample(state, path, context_window, tokens_per_sample)
@@ -358,7 +383,9 @@ def analyze(paths, data=None, split="valid", out="analysis", labels=None, rows_p
                           word_sim=word_sim_sets, word_sim_spm=word_sim_model,
                           context_window=context_window, tokens_per_sample=tokens_per_sample)
     reports, spectra, panels = [], [], []
-    for path, label, state in zip(paths, labels, states):
+    for i, (path, label, state) in enumerate(zip(paths, labels, states), 1):
+        logger.info("analysing checkpoint %d/%d: %s%s", i, len(paths), label,
+                    f" (and scoring --data {data} {split})" if scored else "")
         rep, checkpoint_spectra, panel = checkpoint_report(path, label, state, opts)
         reports.append(rep)
         spectra += checkpoint_spectra
@@ -373,50 +400,12 @@ def analyze(paths, data=None, split="valid", out="analysis", labels=None, rows_p
                   "word_sim_spm": None if word_sim_spm is None else os.path.abspath(word_sim_spm)},
         checkpoints=reports, table=build_table(reports), figures={},
     )
-    write_outputs(report, spectra, panels, out, figures, max_points)
+    write_outputs(report, spectra, panels, out, figures, max_points, inputs=inputs)
     return report
 
 
-def build_parser():
-    p = argparse.ArgumentParser(
-        prog="fairseq-agg-analyze",
-        description="Embedding report (TEV, isotropy, mean cosine, spectrum, per-group PPL, word similarity) "
-                    "of fairseq checkpoints.",
-    )
-    p.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT", help="fairseq checkpoint files (.pt)")
-    p.add_argument("--data", metavar="DATA_BIN", help="data-bin directory: dictionaries and per-group perplexity")
-    p.add_argument("--split", default="valid", help="split scored with --data (default: valid)")
-    p.add_argument("--out", default="analysis", metavar="DIR", help="output directory (default: analysis)")
-    p.add_argument("--labels", nargs="+", help="one label per checkpoint (default: file names)")
-    p.add_argument("--rows", default="no-pad-madeup", choices=G.ROW_POLICIES, help="rows used by every matrix statistic")
-    p.add_argument("--group-fractions", default="0.3,0.5,0.2", help="frequent,medium,rare fractions of the non-special types")
-    p.add_argument("--group-preset", choices=sorted(G.PRESETS), help="fixed id ranges instead of fractions")
-    p.add_argument("--max-tokens", type=int, default=2048, help="tokens per batch when scoring (default: 2048)")
-    p.add_argument("--context-window", type=int, default=0, metavar="C",
-                   help="score a language model as fairseq-eval-lm --context-window C: blocks of "
-                        "tokens_per_sample - C tokens, each seeing up to C tokens before it (default: 0)")
-    p.add_argument("--tokens-per-sample", type=int, metavar="T",
-                   help="as fairseq-eval-lm --tokens-per-sample (default: the checkpoint's training value)")
-    p.add_argument("--no-ppl", action="store_true", help="with --data, skip the perplexity (dictionaries only)")
-    p.add_argument("--no-figures", action="store_true", help="write no PNG files")
-    p.add_argument("--max-points", type=int, default=3000, help="points per group in projection.png (default: 3000)")
-    p.add_argument("--cpu", action="store_true", help="run on the CPU even when a GPU is available")
-    p.add_argument("--word-sim", nargs="+", metavar="FILE",
-                   help="word-similarity files ('word1 word2 score' lines, e.g. WordSim-353, SimLex-999): "
-                        "Spearman's rho of embedding cosines vs the scores, per matrix (docs/stats.md)")
-    p.add_argument("--word-sim-spm", metavar="MODEL",
-                   help="sentencepiece model that splits --word-sim words into pieces (default: greedy "
-                        "longest match over the dictionary)")
-    return p
-
-
-def main(argv=None):
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.max_tokens < 1:
-        parser.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    if args.max_points < 1:
-        parser.error(f"--max-points must be >= 1, got {args.max_points}")
+def run(args, parser):
+    """``fairseq-agg-analyze`` with the arguments fairseq_agg_cli parsed."""
     # force: importing fairseq's text_to_speech task configures the root logger at DEBUG level
     logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
                         level=logging.INFO, stream=sys.stderr, force=True)
@@ -429,11 +418,19 @@ def main(argv=None):
             word_sim=args.word_sim, word_sim_spm=args.word_sim_spm,
             context_window=args.context_window, tokens_per_sample=args.tokens_per_sample,
         )
-    except AnalyzeError as e:
-        parser.error(str(e))  # exits with status 2
+    except (AnalyzeError, UsageError) as e:
+        parser.error(str(e))  # one line, exit status 2
     print(table_markdown(report["table"]), end="")
-    print(f"wrote {os.path.join(args.out, 'report.json')}", file=sys.stderr)
+    for path in output_paths(args.out, not args.no_figures).values():
+        print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def main(argv=None):
+    """``fairseq-agg-analyze ...``: the arguments are parsed (and --help answered) by fairseq_agg_cli."""
+    from fairseq_agg_cli import analyze_main
+
+    return analyze_main(argv)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ and its model with its task on a data directory. Every failure is an :class:`Ana
 names the file or flag."""
 import logging
 import os
+import pickle
 from typing import Optional
 
 from fairseq_agg.fairseq_hooks import allow_namespace_in_checkpoints, madeupword_ids
@@ -16,12 +17,27 @@ class AnalyzeError(Exception):
     """A user-facing error of the offline analysis (bad path, no embeddings, ...)."""
 
 
-def load_checkpoint(path: str) -> dict:
-    """fairseq's ``load_checkpoint_to_cpu`` with clear errors."""
+def check_checkpoint_path(path: str):
+    """Refuses a missing checkpoint or a directory, before anything is loaded."""
     if not os.path.exists(path):
         raise AnalyzeError(f"checkpoint not found: {path}")
     if os.path.isdir(path):
         raise AnalyzeError(f"{path} is a directory; pass a checkpoint file (e.g. {os.path.join(path, 'checkpoint_best.pt')})")
+
+
+def _unreadable_reason(error: Exception) -> str:
+    """Why torch.load failed, in words a user can act on (its own texts are unpickling internals)."""
+    text = (str(error).strip().splitlines() or [""])[0]
+    if isinstance(error, (KeyError, pickle.UnpicklingError)) or "invalid load key" in text:
+        return "not a file written by torch.save"
+    if isinstance(error, EOFError) or "central directory" in text or "truncated" in text.lower():
+        return "the file is truncated or damaged"
+    return f"{type(error).__name__}: {text}"
+
+
+def load_checkpoint(path: str) -> dict:
+    """fairseq's ``load_checkpoint_to_cpu`` with clear errors."""
+    check_checkpoint_path(path)
     import fairseq_agg  # noqa: F401  (registers this plugin's models/criteria first)
     from fairseq import checkpoint_utils
 
@@ -29,8 +45,7 @@ def load_checkpoint(path: str) -> dict:
     try:
         state = checkpoint_utils.load_checkpoint_to_cpu(path)
     except Exception as e:  # torch.load / unpickling errors have unhelpful types and long texts
-        reason = (str(e).strip().splitlines() or [""])[0]
-        raise AnalyzeError(f"{path} is not a readable fairseq checkpoint ({type(e).__name__}: {reason})")
+        raise AnalyzeError(f"{path} is not a readable fairseq checkpoint ({_unreadable_reason(e)})")
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
         raise AnalyzeError(f"{path} is not a fairseq checkpoint (no 'model' state dict)")
     return state

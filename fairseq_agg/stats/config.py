@@ -5,11 +5,12 @@ config dataclass inherits it. :class:`EmbeddingStatsSettings` is its validated p
 built from a criterion config (or keyword arguments named like the fields) with the same defaults.
 """
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Optional
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+
+from fairseq_agg.errors import UsageError, check_number, flag_name
 
 from . import groups as G
 from .matrices import MATRIX_CHOICES
@@ -82,35 +83,51 @@ class EmbeddingStatsConfig(FairseqDataclass):
     )
 
 
-FLAG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EmbeddingStatsConfig)}
+# every flag and its default (not FairseqDataclass's own _name, which is no flag)
+FLAG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EmbeddingStatsConfig) if not f.name.startswith("_")}
+DEFAULT_FRACTIONS = G.parse_fractions(FLAG_DEFAULTS["embed_group_fractions"])
+# the flags that change only TEV, which is logged every --embed-stats-interval updates and never
+# when that is 0 (the isotropy may still be, on its own interval)
+TEV_ONLY_FLAGS = ("tev_exclude_special", "tev_exclude_unseen", "tev_effective", "tev_init_std")
+# the frequency groups' definition, which AGG's rare-token freezing also reads (--agg-freeze-rare
+# --agg-freeze-set group, criterions/agg.py; docs/baselines.md), statistics on or off
+GROUP_DEFINITION_FLAGS = ("embed_group_fractions", "embed_group_preset")
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+def _value(value):
+    """A ChoiceEnum member as its string; anything else as it is."""
+    return getattr(value, "value", value)
 
 
 def _choice(value, name, choices):
-    value = None if value is None else str(getattr(value, "value", value))  # ChoiceEnum member or str
+    value = None if value is None else str(_value(value))
     if value is not None and value not in choices:
-        raise ValueError(f"{_flag(name)} must be one of {', '.join(choices)}, got {value!r}")
+        raise UsageError(f"{flag_name(name)} must be one of {', '.join(choices)}, got {value!r}")
     return value
 
 
 def _interval(value, name):
+    """An update interval: an integer >= 0 (0 = off), or None (its default)."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) and not (isinstance(value, float) and value.is_integer()):
-        raise ValueError(f"{_flag(name)} must be an integer >= 0 (0 = off), got {value!r}")
-    if int(value) < 0:
-        raise ValueError(f"{_flag(name)} must be an integer >= 0 (0 = off), got {value}")
-    return int(value)
+    if isinstance(value, bool):  # check_number would take True for 1
+        raise UsageError(f"{flag_name(name)} must be an integer >= 0, got {value!r}")
+    return int(float(check_number(name, value, 0, integer=True)))
+
+
+def _freezes_a_static_group(cfg) -> bool:
+    return bool(getattr(cfg, "agg_freeze_rare", False)) and str(_value(getattr(cfg, "agg_freeze_set", ""))) == "group"
 
 
 class EmbeddingStatsSettings:
-    """Validated view of the :class:`EmbeddingStatsConfig` fields; raises ValueError naming the flag.
+    """Validated view of the :class:`EmbeddingStatsConfig` fields; raises UsageError naming the flag.
 
     ``EmbeddingStatsSettings(cfg)`` reads the fields of a dataclass, DictConfig or Namespace;
     keyword arguments named like the fields override them; missing fields take their defaults.
+    A statistics flag given (set to other than its default) where it has no effect is refused,
+    naming it and ``--embed-stats-interval``: any of them while the statistics are off
+    (``--embed-stats-interval`` 0 and no ``--embed-isotropy-interval``; the group definition is
+    also read by ``--agg-freeze-set group``), a TEV flag while only the isotropy is logged.
     """
 
     def __init__(self, cfg=None, **flags):
@@ -127,17 +144,44 @@ class EmbeddingStatsSettings:
         self.iso_interval = 10 * self.interval if iso is None else iso
         self.valid = not values["no_embed_stats_valid"]
         self.groups = bool(values["embed_stats_groups"])
-        self.fractions = G.parse_fractions(values["embed_group_fractions"], "--embed-group-fractions")
+        try:
+            self.fractions = G.parse_fractions(values["embed_group_fractions"], "--embed-group-fractions")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         self.preset = _choice(values["embed_group_preset"], "embed_group_preset", G.PRESETS)
         self.matrices = _choice(values["tev_matrices"], "tev_matrices", MATRIX_CHOICES)
         self.exclude_special = bool(values["tev_exclude_special"])
         self.exclude_unseen = bool(values["tev_exclude_unseen"])
         self.effective = bool(values["tev_effective"])
         init_std = values["tev_init_std"]
-        if init_std is not None and not (float(init_std) > 0 and math.isfinite(float(init_std))):
-            raise ValueError(f"--tev-init-std must be a positive number, got {init_std!r}")
+        if init_std is not None:
+            check_number("tev_init_std", init_std, 0, low_open=True)
         self.init_std = None if init_std is None else float(init_std)
         self.iso_rows = _choice(values["iso_rows"], "iso_rows", G.ROW_POLICIES)
+        self._refuse_flags_without_effect(values, cfg)
+
+    def _refuse_flags_without_effect(self, values, cfg):
+        if not self.enabled:
+            names = [n for n in FLAG_DEFAULTS if n != "embed_stats_interval"
+                     and not (n in GROUP_DEFINITION_FLAGS and _freezes_a_static_group(cfg))]
+            why = "while --embed-stats-interval is 0 (statistics off)"
+        elif self.interval == 0:
+            names = TEV_ONLY_FLAGS
+            why = ("(it changes TEV) while --embed-stats-interval is 0 "
+                   f"(only isotropy, every {self.iso_interval} updates)")
+        else:
+            return
+        for name in names:
+            value = values[name]
+            if self._given(name, value):
+                shown = flag_name(name) if isinstance(value, bool) else f"{flag_name(name)} {_value(value)}"
+                raise UsageError(f"{shown} has no effect {why}: give --embed-stats-interval N > 0 too, or leave it out")
+
+    def _given(self, name, value) -> bool:
+        """Whether a flag differs from its default, i.e. the user gave it."""
+        if name == "embed_group_fractions":
+            return self.fractions != DEFAULT_FRACTIONS  # "0.3, 0.5, 0.2" is the default too
+        return _value(value) != _value(FLAG_DEFAULTS[name])
 
     @property
     def enabled(self) -> bool:

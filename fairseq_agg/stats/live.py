@@ -4,11 +4,9 @@ What a criterion does
 ---------------------
 1. Its config dataclass inherits :class:`~fairseq_agg.stats.config.EmbeddingStatsConfig` (the
    flags).
-2. Its class inherits :class:`EmbeddingStatsMixin` before ``FairseqCriterion``. The mixin's
-   ``build_criterion`` (fairseq's way of constructing a criterion from its config) reads and
-   validates the flags through :meth:`~EmbeddingStatsMixin.init_embedding_stats`; a criterion
-   constructed directly (tests) calls that method itself, or the statistics stay off.
-3. Its ``forward`` calls ``self.log_embedding_stats(model, logging_output)`` once, training and
+2. It holds an :class:`EmbeddingStats` built from its config and task (which reads and validates
+   the flags) as ``self.embedding_stats``.
+3. Its ``forward`` calls ``self.embedding_stats.log(model, logging_output)`` once, training and
    validation alike, and its ``reduce_metrics`` calls :func:`reduce_embedding_stats`.
 
 Mechanism
@@ -26,7 +24,7 @@ that fairseq has reset after a log line is removed at the next reduction, so lin
 measurement carry no key (rather than ``None``).
 
 When: in training, in the forward pass of update N, 2N, ... (the update number is the one the
-task's ``train_step`` receives, through :class:`fairseq_agg.fairseq_hooks.TrainingObserver`; the
+task's ``train_step`` receives, through :class:`fairseq_agg.fairseq_hooks.TrainingLoop`; the
 weights measured are those after N−1 optimizer steps), at most once per update whatever
 ``--update-freq`` is; resumed runs continue the schedule. In evaluation mode (validation), once per
 validation pass: the pass's aggregator is marked by a hidden ``_embed_stats`` meter (off with
@@ -49,7 +47,7 @@ from typing import Dict, List, Optional
 import torch
 from fairseq.logging import metrics
 
-from fairseq_agg.fairseq_hooks import TrainingObserver, is_global_rank0, observe_task, remove_meter
+from fairseq_agg.fairseq_hooks import TrainingLoop, is_global_rank0, remove_meter
 
 from . import groups as G
 from .config import EmbeddingStatsSettings
@@ -183,17 +181,46 @@ def reduce_embedding_stats(logging_outputs: List[dict]) -> None:
 # the criterion side
 
 
-class _LiveState(TrainingObserver):
-    """Settings, schedule and caches of one criterion; observes its task's training steps."""
+def _check_group_preset(settings, dictionaries):
+    if not (settings.enabled and settings.groups and settings.preset):
+        return
+    for d in {id(d): d for d in dictionaries.values() if d is not None}.values():
+        G.frequency_groups(d, preset=settings.preset, flag="--embed-group-preset")  # raises if too small
 
-    def __init__(self, settings: EmbeddingStatsSettings, dictionaries):
-        self.settings = settings
-        self.dictionaries = dictionaries
+
+class EmbeddingStats:
+    """The live statistics of one criterion: its settings, schedule and caches.
+
+    ``cfg`` holds the :class:`~fairseq_agg.stats.config.EmbeddingStatsConfig` fields (validated
+    here; missing ones take their defaults), ``task`` gives the dictionaries, and ``loop`` (the
+    criterion's :class:`~fairseq_agg.fairseq_hooks.TrainingLoop`) the update number; without one,
+    the statistics observe the task themselves when they are on.
+    """
+
+    def __init__(self, cfg=None, task=None, loop: Optional[TrainingLoop] = None):
+        self.settings = EmbeddingStatsSettings(cfg)
+        self.dictionaries = task_dictionaries(task)
+        _check_group_preset(self.settings, self.dictionaries)
+        self.loop = loop
         self.last_tev = None  # training update of the last measurement
         self.last_iso = None
         self.cache = {}
         self.elapsed = 0.0  # seconds spent measuring (benchmarks read it)
         self.measurements = 0
+        if not self.settings.enabled:
+            return
+        if self.loop is None:
+            self.loop = TrainingLoop(task)
+        s = self.settings
+        logger.info(
+            "embedding statistics: TEV/mean_cos every %s updates, isotropy every %s updates, at validation: %s, "
+            "groups: %s", s.interval or "no", s.iso_interval or "no", s.valid,
+            (s.preset or ",".join(map(str, s.fractions))) if s.groups else "no",
+        )
+
+    @property
+    def update_num(self) -> Optional[int]:
+        return None if self.loop is None else self.loop.update_num
 
     def due_in_training(self):
         """(TEV due, isotropy due) for the forward pass of the current update."""
@@ -214,58 +241,19 @@ class _LiveState(TrainingObserver):
         metrics.log_scalar(MARKER, 1, weight=0, priority=PRIORITY)
         return s.interval > 0, s.iso_interval > 0
 
-
-def _check_group_preset(settings, dictionaries):
-    if not (settings.enabled and settings.groups and settings.preset):
-        return
-    for d in {id(d): d for d in dictionaries.values() if d is not None}.values():
-        G.frequency_groups(d, preset=settings.preset, flag="--embed-group-preset")  # raises if too small
-
-
-class EmbeddingStatsMixin:
-    """Adds the live statistics to a fairseq criterion; see the module docstring for the contract."""
-
-    @classmethod
-    def build_criterion(cls, cfg, task):
-        criterion = super().build_criterion(cfg, task)
-        criterion.init_embedding_stats(cfg, task)
-        return criterion
-
-    def init_embedding_stats(self, cfg, task=None):
-        """Reads and validates the flags; raises ValueError naming the flag on bad input."""
-        settings = EmbeddingStatsSettings(cfg)
-        task = task if task is not None else getattr(self, "task", None)
-        dictionaries = task_dictionaries(task)
-        _check_group_preset(settings, dictionaries)
-        self._embed_stats = _LiveState(settings, dictionaries)
-        if settings.enabled:
-            observe_task(task, self._embed_stats)
-            logger.info(
-                "embedding statistics: TEV/mean_cos every %s updates, isotropy every %s updates, "
-                "at validation: %s, groups: %s",
-                settings.interval or "no", settings.iso_interval or "no", settings.valid,
-                (settings.preset or ",".join(map(str, settings.fractions))) if settings.groups else "no",
-            )
-
-    @property
-    def embedding_stats_settings(self) -> Optional[EmbeddingStatsSettings]:
-        st = getattr(self, "_embed_stats", None)
-        return None if st is None else st.settings
-
-    def log_embedding_stats(self, model, logging_output: Optional[dict] = None):
+    def log(self, model, logging_output: Optional[dict] = None):
         """Called by the criterion once per forward (training and validation): when a measurement
         is due, adds it to ``logging_output`` and returns the values (None when none is due)."""
-        st = getattr(self, "_embed_stats", None)
-        if st is None or not st.settings.enabled:
+        if not self.settings.enabled:
             return None
-        tev, iso = st.due_in_training() if model.training else st.due_in_validation()
+        tev, iso = self.due_in_training() if model.training else self.due_in_validation()
         if not (tev or iso):
             return None
         measure = is_global_rank0()
         start = time.perf_counter()
-        values = compute_embedding_stats(model, st.settings, st.dictionaries, tev, iso, st.cache, measure)
-        st.elapsed += time.perf_counter() - start
-        st.measurements += 1
+        values = compute_embedding_stats(model, self.settings, self.dictionaries, tev, iso, self.cache, measure)
+        self.elapsed += time.perf_counter() - start
+        self.measurements += 1
         if logging_output is not None:
             logging_output.update(values)
             logging_output[MARKER] = 1 if measure else 0

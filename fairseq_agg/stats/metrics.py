@@ -10,9 +10,10 @@ upcast chunk by chunk.
   µTEV / σTEV are its mean and population std over the rows.
 * :func:`isotropy` - I(W) = min_c Z(c) / max_c Z(c), Z(c) = Σ_i exp(cᵀw_i), C = unit eigenvectors
   of WᵀW (Mu & Viswanath, ICLR 2018; the isotropy of Yu et al., ACL 2022, Table 1), float64 and
-  log-sum-exp. The eigenvector sign is arbitrary, so the headline value is the sign-symmetric form
-  over C ∪ −C; the form as returned by the eigensolver ("raw") and the sign-fixed form
-  (cᵀ·mean(W) ≥ 0) are also given.
+  log-sum-exp. An eigenvector's sign is arbitrary (each solver, device and summation order may
+  return either), so no form uses it: the headline value is the sign-symmetric form over C ∪ −C;
+  the paper's form ("raw") takes each c with the sign :func:`canonical_signs` gives it, and the
+  sign-fixed form turns each c towards mean(W).
 * :func:`mean_pairwise_cosine` - mean over i ≠ j of cos(w_i, w_j) = (‖Σŵ_i‖² − Σ‖ŵ_i‖²) / (n(n−1))
   (the quantity CosReg of Gao et al., ICLR 2019, regularises), exact and O(V·d).
 * :func:`embedding_spectrum` - singular values and right-singular directions (float64).
@@ -25,6 +26,11 @@ from typing import Dict, NamedTuple, Optional
 import torch
 
 DEFAULT_CHUNK_ROWS = 8192
+# Relative size below which two coordinates of a unit vector count as equally large, and a
+# direction as orthogonal to the mean row (relative to the rows' RMS norm), in the sign rules:
+# far above the ~1e-15 by which two eigensolvers' fp64 eigenvectors differ, far below any
+# difference that means something.
+SIGN_TIE_RTOL = 1e-9
 # the three forms :func:`isotropy` returns
 ISOTROPY_FORMS = ("isotropy", "isotropy_raw", "isotropy_fixed")
 
@@ -113,7 +119,8 @@ class Spectrum(NamedTuple):
     """Eigen-decomposition of XᵀX for the selected rows X (float64)."""
 
     singular_values: torch.Tensor  # [d], descending (sqrt of the eigenvalues of XᵀX); 0 beyond n
-    directions: torch.Tensor  # [d, d], row k = unit right-singular vector of singular value k
+    directions: torch.Tensor  # [d, d], row k = unit right-singular vector of singular value k, signed
+    # by canonical_signs (so the same for every solver, device and row order)
     mean: torch.Tensor  # [d], mean row
     n: int
 
@@ -142,7 +149,20 @@ def embedding_spectrum(
     n = _num_rows(W, rows)
     if n < d:
         evals[n:] = 0.0  # rank <= n: the rest is round-off of the Gram matrix
-    return Spectrum(evals.sqrt(), evecs.t().contiguous(), total / n, n)
+    return Spectrum(evals.sqrt(), canonical_signs(evecs.t()), total / n, n)
+
+
+def canonical_signs(directions: torch.Tensor) -> torch.Tensor:
+    """``directions`` (rows) with each row's sign chosen by the row alone, not by the solver that
+    produced it: the first coordinate of largest magnitude is positive (scikit-learn's
+    ``svd_flip`` convention). Coordinates within :data:`SIGN_TIE_RTOL` of the largest magnitude
+    count as tied and the first of them decides, so the ~1e-15 by which two solvers' eigenvectors
+    differ does not flip a row (|c| = (1, 1)/√2 up to round-off is (+, ·) whatever the solver)."""
+    magnitude = directions.abs()
+    near_top = magnitude >= magnitude.max(dim=1, keepdim=True).values * (1 - SIGN_TIE_RTOL)
+    first = near_top.to(torch.int8).argmax(dim=1, keepdim=True)  # argmax: the first of the ties
+    sign = torch.where(directions.gather(1, first) < 0, -1.0, 1.0).to(directions.dtype)
+    return (directions * sign).contiguous()
 
 
 def singular_values(W: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -161,9 +181,11 @@ def isotropy(
     """Isotropy I(W) in three forms (see the module docstring), float64 and log-sum-exp.
 
     ``directions`` ([k, d], rows = unit vectors) replaces the eigenvectors of WᵀW; with repeated
-    eigenvalues the eigenbasis is not unique, so tests pass the basis they reason about.
-    Returns ``{"isotropy" (sign-symmetric, C ∪ −C), "isotropy_raw" (C as given/returned),
-    "isotropy_fixed" (each c flipped so that cᵀ·mean(W) ≥ 0), "n"}``.
+    eigenvalues the eigenbasis is not unique, so tests pass the basis they reason about. The signs
+    of ``directions`` (or of the solver's eigenvectors) never change a result.
+    Returns ``{"isotropy" (sign-symmetric, C ∪ −C), "isotropy_raw" (the paper's form, each c
+    signed by :func:`canonical_signs`), "isotropy_fixed" (each c turned so that cᵀ·mean(W) > 0;
+    canonical where |cᵀ·mean(W)| ≤ SIGN_TIE_RTOL × the rows' RMS norm), "n"}``.
     """
     _check_matrix(W)
     rows = _as_rows(W, rows)
@@ -176,26 +198,32 @@ def isotropy(
         C = torch.as_tensor(directions, device=W.device).to(torch.float64)
         if C.dim() != 2 or C.size(1) != W.size(1):
             raise ValueError(f"directions must be [k, {W.size(1)}], got {tuple(C.shape)}")
+        C = canonical_signs(C)
         mean = None
     # log Z(c) = logsumexp_i cᵀw_i, accumulated over chunks; raw exp overflows for norms ~10
     neg_inf = torch.full((C.size(0),), -math.inf, dtype=torch.float64, device=W.device)
     log_zpos, log_zneg = neg_inf.clone(), neg_inf.clone()
     total = torch.zeros(W.size(1), dtype=torch.float64, device=W.device)
+    squares = torch.zeros((), dtype=torch.float64, device=W.device)
     for block in _iter_chunks(W, rows, torch.float64, chunk_rows):
         proj = block @ C.t()  # [chunk, k], entry (i, j) = c_jᵀ w_i
         log_zpos = torch.logaddexp(log_zpos, torch.logsumexp(proj, dim=0))
         log_zneg = torch.logaddexp(log_zneg, torch.logsumexp(-proj, dim=0))
+        squares += block.square().sum()
         if mean is None:
             total += block.sum(0)
+    n = _num_rows(W, rows)
     if mean is None:
-        mean = total / _num_rows(W, rows)
+        mean = total / n
     both = torch.cat([log_zpos, log_zneg])
-    fixed = torch.where(C @ mean >= 0, log_zpos, log_zneg)
+    # towards the mean; a direction orthogonal to it up to round-off keeps its canonical sign
+    away_from_mean = C @ mean < -SIGN_TIE_RTOL * (squares / n).sqrt()
+    fixed = torch.where(away_from_mean, log_zneg, log_zpos)
     return {
         "isotropy": math.exp((both.min() - both.max()).item()),
         "isotropy_raw": math.exp((log_zpos.min() - log_zpos.max()).item()),
         "isotropy_fixed": math.exp((fixed.min() - fixed.max()).item()),
-        "n": _num_rows(W, rows),
+        "n": n,
     }
 
 

@@ -5,7 +5,9 @@ embedding-quality measure the AGG paper (Yu et al., ACL 2022) reports beside iso
 The pieces, each usable alone (rules and sources: docs/stats.md, "Word similarity"):
 
 * :func:`read_word_pairs` / :func:`parse_word_pairs`: the common file format, one
-  ``word1 word2 score`` per line, tab or space separated, ``#`` comments and blank lines skipped;
+  ``word1<TAB>word2<TAB>score`` per line (or three fields separated by spaces), UTF-8 with or
+  without a byte-order mark, LF or CRLF, ``#`` comments, blank lines and a header line skipped,
+  words case-folded;
 * :func:`average_ranks`, :func:`spearman_rho`: Spearman's ρ = Pearson's correlation of the ranks,
   ties given their average rank;
 * :func:`marker_convention`, :class:`WordTokenizer`: how a word maps to rows of a fairseq
@@ -13,6 +15,7 @@ The pieces, each usable alone (rules and sources: docs/stats.md, "Word similarit
 * :func:`matrix_word_similarity`, :func:`checkpoint_word_similarity`: ρ for one matrix, and for
   every distinct embedding matrix of a checkpoint (what ``fairseq-agg-analyze --word-sim`` writes).
 """
+import codecs
 import logging
 import math
 import os
@@ -20,6 +23,7 @@ from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from fairseq_agg.errors import UsageError
 from fairseq_agg.fairseq_hooks import madeupword_ids, nspecial
 
 from .matrices import dictionary_for
@@ -34,7 +38,7 @@ CONVENTIONS = ("sentencepiece", "subword-nmt", "plain")
 MARKER_SHARE = 0.1
 
 
-class WordSimFileError(ValueError):
+class WordSimFileError(UsageError):
     """A word-similarity file that cannot be used (missing, malformed, empty); names the file."""
 
 
@@ -52,40 +56,73 @@ def _shorten(text: str, width: int = 80) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+def _fields(line: str) -> List[str]:
+    """The fields of one stripped data line: tab-separated when that gives three fields (a word may
+    then hold spaces, "new york"), else separated by runs of tabs and spaces."""
+    by_tab = [f.strip() for f in line.split("\t")]
+    return by_tab if len(by_tab) == 3 else line.split()
+
+
+def _number(text: str) -> Optional[float]:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
 def parse_word_pairs(lines: Iterable[str], source: str) -> List[Tuple[str, str, float]]:
-    """``(word1, word2, score)`` of every data line; raises :class:`WordSimFileError` naming
-    ``source`` and the 1-based line number at the first malformed line."""
+    """``(word1, word2, score)`` of every data line, the words case-folded; raises
+    :class:`WordSimFileError` naming ``source`` and the 1-based line number at the first malformed
+    line.
+
+    Skipped: blank lines, lines starting with ``#``, and a header: the first other line when it
+    has three fields and its third is not a number (``word1<TAB>word2<TAB>score``).
+    """
     pairs = []
+    header_possible = True
     for lineno, raw in enumerate(lines, start=1):
-        line = raw.strip()
+        line = raw.strip()  # also drops the \r of a CRLF line end
         if not line or line.startswith("#"):
             continue
-        fields = line.split()  # any run of tabs and spaces
+        fields = _fields(line)
+        score = _number(fields[2]) if len(fields) == 3 else None
+        if header_possible and len(fields) == 3 and score is None:
+            header_possible = False
+            continue
+        header_possible = False
         if len(fields) != 3:
             raise WordSimFileError(
-                f"{source}, line {lineno}: expected 3 fields 'word1 word2 score' separated by tabs or spaces, "
+                f"{source}, line {lineno}: expected 3 fields 'word1<TAB>word2<TAB>score' (or separated by spaces), "
                 f"got {len(fields)}: {_shorten(line)!r}")
-        try:
-            score = float(fields[2])
-        except ValueError:
-            score = math.nan
-        if not math.isfinite(score):
+        if score is None or not math.isfinite(score):
             raise WordSimFileError(f"{source}, line {lineno}: the score {_shorten(fields[2])!r} is not a finite number")
-        pairs.append((fields[0], fields[1], score))
+        if not fields[0] or not fields[1]:
+            raise WordSimFileError(f"{source}, line {lineno}: an empty word: {_shorten(line)!r}")
+        pairs.append((fields[0].casefold(), fields[1].casefold(), score))
     return pairs
 
 
 def read_word_pairs(path: str) -> WordPairs:
-    """The pairs of a word-similarity file (UTF-8); errors name the file."""
+    """The pairs of a word-similarity file (UTF-8, a byte-order mark allowed); errors name the
+    file, and the line where there is one."""
     if not os.path.isfile(path):
         raise WordSimFileError(f"{path}: no such file")
     try:
-        with open(path, encoding="utf-8") as f:
-            pairs = parse_word_pairs(f, path)
-    except (OSError, UnicodeDecodeError) as e:
-        raise WordSimFileError(f"{path}: cannot be read as UTF-8 text ({type(e).__name__}: {e})")
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise WordSimFileError(f"{path}: cannot be read ({e.strerror or e})")
+    if data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8):]
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        lineno = data.count(b"\n", 0, e.start) + 1
+        raise WordSimFileError(f"{path}, line {lineno}: not UTF-8 text (byte 0x{data[e.start]:02x})") from None
+    # split on \n only: str.splitlines would also split on form feeds, U+2028 etc. and miscount lines
+    pairs = parse_word_pairs(text.split("\n"), path)
     if not pairs:
-        raise WordSimFileError(f"{path}: no word pairs (only comments or blank lines)")
+        raise WordSimFileError(f"{path}: no word pairs (only comments, blank lines or a header)")
     return WordPairs(os.path.abspath(path), os.path.splitext(os.path.basename(path))[0], pairs)
 
 
@@ -174,11 +211,20 @@ class WordTokenizer:
             raise ValueError(f"convention must be one of {', '.join(CONVENTIONS)}, got {self.convention!r}")
         self.spm = spm
         self._not_words = set(range(nspecial(dictionary))) | set(madeupword_ids(dictionary))
+        # words are case-folded when read; a cased dictionary is searched through the folded forms
+        # of its symbols, the most frequent (lowest id) symbol of each folded form first
+        self._folded = {}
+        for i, symbol in enumerate(dictionary.symbols):
+            if i not in self._not_words:
+                self._folded.setdefault(symbol.casefold(), i)
 
     def symbol_id(self, symbol: str) -> Optional[int]:
-        """The id of ``symbol`` if it is an ordinary symbol of the dictionary, else None."""
+        """The id of ``symbol`` if it is an ordinary symbol of the dictionary, else that of the
+        most frequent ordinary symbol with the same case-folded form, else None."""
         i = self.dictionary.indices.get(symbol)
-        return None if i is None or i in self._not_words else i
+        if i is not None and i not in self._not_words:
+            return i
+        return self._folded.get(symbol.casefold())
 
     def whole_word_symbol(self, word: str) -> str:
         """The symbol a word has when it is a single token: ``▁word`` (sentencepiece) or ``word``

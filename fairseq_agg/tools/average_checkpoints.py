@@ -12,8 +12,12 @@ The output is the newest input checkpoint with its model weights replaced by the
 optimizer state is dropped: it belongs to none of the averaged weights), saved in the layout
 fairseq-train writes, so fairseq-generate, fairseq-interactive, fairseq-eval-lm and
 fairseq-agg-analyze load it like any checkpoint, with torch's default safe loading.
+
+Every mistake is one line before anything is written: an ``--output`` that is one of the inputs,
+a directory, empty or not writable, an input given twice, an input that is missing, unreadable,
+truncated or no fairseq checkpoint. The output is written under a temporary name beside it and
+renamed when complete, so a failure leaves neither a half-written checkpoint nor a temporary file.
 """
-import argparse
 import collections
 import os
 import re
@@ -21,7 +25,8 @@ import sys
 
 import torch
 
-from fairseq_agg.fairseq_hooks import allow_namespace_in_checkpoints
+from fairseq_agg.errors import UsageError, atomic_path
+from fairseq_agg.stats.checkpoints import AnalyzeError, load_checkpoint
 
 _EPOCH_RE = re.compile(r"checkpoint(\d+)\.pt")
 _UPDATE_RE = re.compile(r"checkpoint_\d+_(\d+)\.pt")
@@ -45,7 +50,7 @@ def find_checkpoints(directory, num, kind, upper_bound=None):
         found.append((idx, os.path.join(directory, name)))
     found.sort(reverse=True)
     if len(found) < num:
-        raise ValueError(
+        raise UsageError(
             f"--num-{kind}-checkpoints {num}: only {len(found)} {kind} checkpoints in {directory}"
             + (f" at or below --checkpoint-upper-bound {upper_bound}" if upper_bound is not None else "")
         )
@@ -53,13 +58,36 @@ def find_checkpoints(directory, num, kind, upper_bound=None):
 
 
 def _load(path):
-    # fairseq's loader upgrades old checkpoint layouts. fairseq stores the legacy model config as
-    # an argparse.Namespace, which torch >= 2.6 refuses to unpickle with weights_only=True unless
-    # it is allow-listed.
-    from fairseq import checkpoint_utils
+    """fairseq's loader (it upgrades old checkpoint layouts), with every failure in one line."""
+    try:
+        return load_checkpoint(path)
+    except AnalyzeError as e:
+        raise UsageError(f"--inputs: {e}") from None
 
-    allow_namespace_in_checkpoints()
-    return checkpoint_utils.load_checkpoint_to_cpu(path)
+
+def checkpoint_paths(args):
+    """The checkpoints to average (the first supplies everything but the weights): existing,
+    readable files, each once."""
+    num = args.num_epoch_checkpoints or args.num_update_checkpoints
+    if num is not None:
+        if len(args.inputs) != 1 or not os.path.isdir(args.inputs[0]):
+            raise UsageError("--inputs must be one checkpoint directory with --num-*-checkpoints")
+        kind = "epoch" if args.num_epoch_checkpoints is not None else "update"
+        return find_checkpoints(args.inputs[0], num, kind, args.checkpoint_upper_bound)
+    if args.checkpoint_upper_bound is not None:
+        raise UsageError("--checkpoint-upper-bound needs --num-epoch-checkpoints or --num-update-checkpoints")
+    seen = {}
+    for path in args.inputs:
+        if not os.path.isfile(path):
+            raise UsageError(f"--inputs: no such checkpoint file: {path}")
+        if not os.access(path, os.R_OK):
+            raise UsageError(f"--inputs: {path} is not readable")
+        stat = os.stat(path)
+        key = (stat.st_dev, stat.st_ino)  # the same file under two names counts too
+        if key in seen:
+            raise UsageError(f"--inputs: {path} and {seen[key]} are the same checkpoint; give each one once")
+        seen[key] = path
+    return list(args.inputs)
 
 
 def _as_saved_by_fairseq(state):
@@ -79,7 +107,7 @@ def _as_saved_by_fairseq(state):
 def average_checkpoints(paths):
     """Returns the newest (first) checkpoint's state with the element-wise mean of all models."""
     if not paths:
-        raise ValueError("--inputs: no checkpoints to average")
+        raise UsageError("--inputs: no checkpoints to average")
     sums = collections.OrderedDict()
     dtypes = {}
     base = None
@@ -95,15 +123,15 @@ def average_checkpoints(paths):
             continue
         if set(model) != set(sums):
             diff = sorted(set(model) ^ set(sums))
-            raise ValueError(f"{path}: parameters differ from {paths[0]} (e.g. {diff[:3]})")
+            raise UsageError(f"--inputs: {path}: parameters differ from {paths[0]} (e.g. {diff[:3]})")
         for k, v in model.items():
             if v.shape != sums[k].shape:
-                raise ValueError(f"{path}: {k} has shape {tuple(v.shape)}, {paths[0]} has {tuple(sums[k].shape)}")
+                raise UsageError(f"--inputs: {path}: {k} has shape {tuple(v.shape)}, {paths[0]} has {tuple(sums[k].shape)}")
             if v.is_floating_point():
                 sums[k].add_(v.double())
             elif not torch.equal(v, sums[k]):
                 # integer buffers (counters, version stamps) cannot be averaged meaningfully
-                raise ValueError(f"{path}: non-float tensor {k} differs between checkpoints")
+                raise UsageError(f"--inputs: {path}: non-float tensor {k} differs between checkpoints")
         del state
     n = len(paths)
     averaged = collections.OrderedDict()
@@ -117,54 +145,28 @@ def average_checkpoints(paths):
     return _as_saved_by_fairseq(base)
 
 
-def build_parser():
-    p = argparse.ArgumentParser(
-        prog="fairseq-agg average-checkpoints",
-        description="Average the model parameters of fairseq checkpoints.",
-    )
-    p.add_argument("--inputs", nargs="+", required=True,
-                   help="checkpoint files, or one directory with --num-epoch/--num-update-checkpoints")
-    p.add_argument("--output", required=True, help="path of the averaged checkpoint")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--num-epoch-checkpoints", type=int, help="average the last N checkpointEPOCH.pt")
-    g.add_argument("--num-update-checkpoints", type=int, help="average the last N checkpoint_E_UPDATE.pt")
-    p.add_argument("--checkpoint-upper-bound", type=int,
-                   help="ignore checkpoints after this epoch (or update, with --num-update-checkpoints)")
-    return p
-
-
-def main(argv=None):
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    num = args.num_epoch_checkpoints or args.num_update_checkpoints
+def run(args, parser):
+    """``fairseq-agg average-checkpoints`` with the arguments fairseq_agg_cli parsed."""
     try:
-        if num is not None:
-            if num < 1:
-                flag = "--num-epoch-checkpoints" if args.num_epoch_checkpoints is not None else "--num-update-checkpoints"
-                raise ValueError(f"{flag} must be >= 1, got {num}")
-            if len(args.inputs) != 1 or not os.path.isdir(args.inputs[0]):
-                raise ValueError("--inputs must be one checkpoint directory with --num-*-checkpoints")
-            kind = "epoch" if args.num_epoch_checkpoints is not None else "update"
-            paths = find_checkpoints(args.inputs[0], num, kind, args.checkpoint_upper_bound)
-        else:
-            if args.checkpoint_upper_bound is not None:
-                raise ValueError("--checkpoint-upper-bound needs --num-epoch-checkpoints or --num-update-checkpoints")
-            paths = list(args.inputs)
-            for path in paths:
-                if not os.path.isfile(path):
-                    raise ValueError(f"--inputs: no such checkpoint file: {path}")
-        state = average_checkpoints(paths)
-    except ValueError as e:
-        parser.error(str(e))
-    from fairseq import checkpoint_utils
-
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    # fairseq's own writer: a temporary file renamed into place, so no half-written output remains
-    checkpoint_utils.torch_persistent_save(state, args.output)
+        paths = checkpoint_paths(args)
+        # the output is checked, and its temporary file created, before any checkpoint is read
+        with atomic_path(args.output, inputs=paths, suffix=".pt", flag="--output") as tmp:
+            state = average_checkpoints(paths)
+            # torch.save, as fairseq-train's writer: the same layout, loaded by the same tools
+            torch.save(state, tmp)
+    except UsageError as e:
+        parser.error(str(e))  # one line, exit status 2
     print(f"averaged {len(paths)} checkpoints -> {args.output}")
     for path in paths:
         print(f"  {path}")
     return 0
+
+
+def main(argv=None):
+    """``fairseq-agg average-checkpoints ...`` (arguments parsed by fairseq_agg_cli)."""
+    from fairseq_agg_cli import run_command
+
+    return run_command("average-checkpoints", argv)
 
 
 if __name__ == "__main__":

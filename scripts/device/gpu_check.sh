@@ -3,7 +3,7 @@
 # Python 3.12 with a CUDA build of torch, Triton, numpy, sentencepiece and sacrebleu, no fairseq and
 # no network. Installs the bundle that scripts/device/prepare.sh made here (offline: only the
 # bundle and what the machine already has), builds fairseq against the torch there, installs this
-# package from the working tree, then runs `python -m fairseq_agg.testing.gpu_check` (its
+# package from the working tree, then runs `python scripts/gpu_check.py` (its
 # docstring lists the four parts). Everything, the install included, fits in --budget-s.
 #
 # Usage: bash scripts/device/gpu_check.sh [--cpu-smoke] [--install-only] [--budget-s S] [-- ARGS]
@@ -129,10 +129,16 @@ assert m.version('fairseq-fixed') == '0.12.3.1'" 2>/dev/null; then
     || fail_install "installing fairseq-agg from $root failed"
   "$py" -c "import fairseq, fairseq_cli.train, fairseq_agg, fairseq.data.data_utils_fast" \
     || fail_install "fairseq or fairseq_agg does not import after the install"
-  if ! "$py" -m pip install --no-index --find-links "$bundle/wheels" -r "$bundle/requirements-optional.txt" \
-     || ! "$py" -c "import liger_kernel.transformers"; then
-    echo "[gpu_check.sh] warning: Liger-Kernel is not usable here; its baseline will be recorded as skipped"
-  fi
+  # the optional baselines one by one: one that fails to install or import is recorded as skipped
+  while read -r req; do
+    [[ -n "$req" ]] || continue
+    "$py" -m pip install --no-index --find-links "$bundle/wheels" "$req" \
+      || echo "[gpu_check.sh] warning: $req did not install here"
+  done < "$bundle/requirements-optional.txt"
+  "$py" -c "import liger_kernel.transformers" \
+    || echo "[gpu_check.sh] warning: Liger-Kernel is not usable here; its baseline will be recorded as skipped"
+  "$py" -c "import cut_cross_entropy" \
+    || echo "[gpu_check.sh] warning: cut-cross-entropy is not usable here; its baseline will be recorded as skipped"
   write_install_json ok "into $("$py" -c 'import sys; print(sys.prefix)'), $("$py" -m pip --version | cut -d' ' -f1-2)"
   echo "[gpu_check.sh] install done in $(( $(date +%s) - t0 )) s"
 fi
@@ -140,7 +146,7 @@ fi
 (( install_only )) && exit 0
 args=(--out "$out" --deadline "$(( t0 + budget ))")
 (( smoke )) && args+=(--cpu-smoke)
-"$py" -m fairseq_agg.testing.gpu_check "${args[@]}" "${passthrough[@]}"
+"$py" "$root/scripts/gpu_check.py" "${args[@]}" "${passthrough[@]}"
 status=$?
 echo "[gpu_check.sh] done in $(( $(date +%s) - t0 )) s (exit $status); results: $out/gpu_check.md"
 exit $status

@@ -7,7 +7,8 @@
 #   wheels/            CPython wheels for the target Python on manylinux x86-64 (or pure-Python ones)
 #   sdist/             the fairseq-fixed source release, built there against the torch there
 #   requirements.txt   what gpu_check.sh installs from wheels/ (exact versions)
-#   requirements-optional.txt  the same for Liger-Kernel, whose failure is not fatal there
+#   requirements-optional.txt  the same for the optional baselines (Liger-Kernel, cut-cross-entropy):
+#                      a download that fails here, or an install that fails there, is not fatal
 #   SHA256SUMS         checked by gpu_check.sh before it installs anything
 #   INFO.txt           target Python, date, sizes
 # This package itself is not bundled: gpu_check.sh runs in a copy of the working tree and installs
@@ -61,9 +62,10 @@ BINARY=(
   "joblib==1.5.2"
   "threadpoolctl==3.8.0"
 )
-# Optional: the baseline gpu_check.sh installs on its own (it needs the Triton there; without it
-# the check records Liger as skipped instead of failing the install).
-OPTIONAL=("liger-kernel==0.8.5")
+# Optional: the baselines gpu_check.sh installs one by one (they need the Triton there; without it
+# the check records them as skipped instead of failing the install). Each is downloaded on its own,
+# and one that cannot be is left out of the bundle with a warning.
+OPTIONAL=("liger-kernel==0.8.5" "cut-cross-entropy==25.1.1")
 # Pure-Python distributions: the runtime omegaconf pins (published as a source release only, so it
 # is turned into a wheel here) and Cython, which fairseq's build needs for its two .pyx modules
 # (the pure-Python Cython wheel is a third of the size of the compiled one and works on any Python).
@@ -81,10 +83,18 @@ mkdir -p "$work/wheels" "$work/sdist"
 trap 'rm -rf "$work"' EXIT
 
 pip_dl=("$py" -m pip download --disable-pip-version-check --no-deps --dest "$work/wheels")
+target=(--only-binary=:all: --implementation cp --python-version "$pyver" --abi "$abi"
+  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64)
 echo "[prepare] binary wheels for CPython $pyver (manylinux x86-64)"
-"${pip_dl[@]}" --only-binary=:all: --implementation cp --python-version "$pyver" --abi "$abi" \
-  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-  "${BINARY[@]}" "${OPTIONAL[@]}"
+"${pip_dl[@]}" "${target[@]}" "${BINARY[@]}"
+optional_ok=()
+for req in "${OPTIONAL[@]}"; do
+  if "${pip_dl[@]}" "${target[@]}" "$req"; then
+    optional_ok+=("$req")
+  else
+    echo "[prepare] warning: could not download $req; the check will record it as skipped" >&2
+  fi
+done
 echo "[prepare] pure-Python wheels"
 "${pip_dl[@]}" --only-binary=:all: --implementation py --python-version "$pyver" --abi none --platform any \
   "${PURE_WHEEL[@]}" "$SETUPTOOLS_WHEEL"
@@ -109,7 +119,7 @@ if [[ -n "$bad" ]]; then
 fi
 
 printf '%s\n' "${BINARY[@]}" "${PURE_BUILT[@]}" "${PURE_WHEEL[@]}" "$SETUPTOOLS_NEED" > "$work/requirements.txt"
-printf '%s\n' "${OPTIONAL[@]}" > "$work/requirements-optional.txt"
+printf '%s\n' "${optional_ok[@]}" > "$work/requirements-optional.txt"
 (cd "$work" && find wheels sdist -type f | sort | xargs sha256sum > SHA256SUMS)
 bytes=$(du -sb "$work" | cut -f1)
 mib=$(awk -v b="$bytes" 'BEGIN { printf "%.1f", b / 1048576 }')

@@ -6,14 +6,18 @@ the check cannot rot while no accelerator is lent). Four parts, each guarded (a 
 recorded and the next part still runs) and all under one time budget (``--deadline``):
 
 1. correctness: :func:`~fairseq_agg.ops.fused_linear_loss.fused_linear_loss` against the
-   reference constructions of :mod:`fairseq_agg.testing.reference`, evaluated in float64 on the
+   reference constructions of scripts/reference_constructions.py, evaluated in float64 on the
    same (rounded) inputs, for CE, AGG (eps 0 and 0.1) and AL in fp32 (<= 1e-5 relative) and bf16
    (<= 2e-2): loss, NLL, dH and dW;
 2. the output layer at the papers' shapes (LM: N = 16,384 target tokens, d = 768, V = 50,264;
    MT: N = 8,192, d = 512, V = 40,000), bf16 and fp32: stock fairseq CE / label-smoothed CE on
-   materialised logits, the fused CE, AGG, AL and Liger-Kernel's fused linear cross-entropy;
-   median time by CUDA events after warm-up, peak memory by ``max_memory_allocated``, ratios
-   against stock and against Liger, and a chunk-size sweep;
+   materialised logits, the fused CE, AGG, AL, and as anchors PyTorch's ``F.linear_cross_entropy``
+   (its reference path at the shape's smoothing; its chunked path, automatic and swept chunk
+   sizes, where the smoothing is 0: it takes none), the three-matmul floor (logits, dH, dW
+   alone), Liger-Kernel's fused linear cross-entropy and Apple's cut-cross-entropy (each skipped
+   where it does not import; CCE takes no smoothing); median time by CUDA events after warm-up,
+   peak memory by ``max_memory_allocated``, ratios against stock, torch's fastest variant, the
+   floor and Liger, and a chunk-size sweep;
 3. real ``fairseq-train`` runs (fairseq's own ``cli_main`` in a subprocess) of
    ``transformer_lm_gpt2_small`` on a synthetic Zipfian data-bin made on the spot, ``--fp16`` and
    ``--bf16``: stock ``cross_entropy``, ``cross_entropy_agg``, ``augmented_loss`` and
@@ -25,7 +29,7 @@ recorded and the next part still runs) and all under one time budget (``--deadli
 
 Writes ``gpu_check.json`` and ``gpu_check.md`` into ``--out`` after every part.
 
-Usage: python -m fairseq_agg.testing.gpu_check [--cpu-smoke] [--out DIR] [--deadline UNIX_S]
+Usage: python scripts/gpu_check.py [--cpu-smoke] [--out DIR] [--deadline UNIX_S]
 """
 import argparse
 import dataclasses
@@ -44,13 +48,15 @@ import time
 import traceback
 
 import torch
-import torch.nn.functional as F
 
 from fairseq_agg import USER_DIR, __version__
+from fairseq_agg.ops.augmented import build_teacher
+from fairseq_agg.ops.fused_linear_loss import LossRequest, fused_linear_loss
 
-PAD, NSPECIAL = 1, 4  # fairseq's Dictionary: <s>=0, <pad>=1, </s>=2, <unk>=3
-MIB = float(1 << 20)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from output_problem import (DTYPES, MIB, PAD, OutputProblem, cuda_peak_bytes, matmul_floor, rel_diff, stock_loss,
+                            torch_linear_ce, torch_linear_ce_missing, wall_seconds, zipf_unigram)
+from reference_constructions import reference_output_loss, reference_teacher
+
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}  # relative, against the float64 reference
 
 # Targets of the issue that asked for this check (ratios measured side by side in one run).
@@ -59,6 +65,11 @@ TARGETS = {
     "agg_time_vs_liger": 1.1,
     "agg_memory_vs_stock": 0.5,
     "al_time_vs_liger": 1.3,
+    # issue #25: against the three-matmul floor, the fused CE and torch's chunked path
+    "fused_ce_time_vs_floor": 1.10,
+    "agg_time_vs_floor": 1.10,
+    "al_time_vs_fused_ce": 1.15,
+    "memory_vs_torch_chunked": 1.0,
     "agg_train_wps_vs_stock": 0.97,
     "stats_share_of_training": 0.01,
 }
@@ -187,20 +198,6 @@ def log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| (a scalar: |a - b| / |b|), in float64."""
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
-def zipf_unigram(vocab: int, exponent: float = 1.1) -> torch.Tensor:
-    """Target distribution over the real-word ids (specials get no mass), ids sorted by frequency
-    as in a fairseq dictionary."""
-    ranks = torch.arange(1, vocab - NSPECIAL + 1, dtype=torch.float64)
-    p = ranks.pow(-exponent)
-    return torch.cat([torch.zeros(NSPECIAL, dtype=torch.float64), p / p.sum()])
-
-
 def criterion_default(config_class, name):
     """A flag's default, read from the criterion's dataclass (so the check follows the code)."""
     for f in dataclasses.fields(config_class):
@@ -230,37 +227,20 @@ def default_chunk() -> int:
 # 1. correctness
 
 
-def synthetic_gates(target, vocab, updates, alpha, generator):
-    """AGG gates from Poisson window counts of the same Zipfian distribution as the targets."""
-    from fairseq_agg.ops.agg_gates import agg_gates, target_histogram
-
-    unigram = zipf_unigram(vocab)
-    window = torch.poisson(unigram * (updates * target.numel()), generator=generator).to(torch.int64)
-    counts = window.to(target.device) + target_histogram(target, vocab)
-    return agg_gates(counts, updates + 1, alpha, NSPECIAL)
-
-
 def part_correctness(plan: Plan, device: torch.device):
-    from fairseq_agg.ops.augmented import build_teacher
-    from fairseq_agg.ops.fused_linear_loss import fused_linear_loss
-    from fairseq_agg.testing.reference import reference_output_loss, reference_teacher
-
     n, d, v = plan.check_shape
-    g = torch.Generator().manual_seed(0)
-    target = torch.multinomial(zipf_unigram(v).float(), n, replacement=True, generator=g).to(device)
-    hidden0 = torch.randn(n, d, generator=g, dtype=torch.float64)
-    weight0 = torch.randn(v, d, generator=g, dtype=torch.float64) * d**-0.5
-    # alpha chosen so that a good share of the targets is rare and some have g2 < 1
-    gates = synthetic_gates(target, v, updates=4, alpha=1.0, generator=g)
+    # float64 inputs, rounded to each dtype below; a window of 4 updates and alpha 1 so that a good
+    # share of the targets is rare and some have g2 < 1
+    problem = OutputProblem(n, d, v, dtype=torch.float64, device=device, window_updates=4, agg_alpha=1.0)
+    target, gates, stats = problem.target, problem.gates(), problem.target_stats()
     al = al_defaults()
-    rare_t = gates.rare[target]
     info = {
         "shape": {"N": n, "d": d, "V": v, "chunk": plan.check_chunk},
-        "rare_target_fraction": float(rare_t.double().mean()),
-        "g2_below_one_target_fraction": float((rare_t & (gates.g2[target] < 1)).double().mean()),
+        "rare_target_fraction": stats["rare_target_frac"],
+        "g2_below_one_target_fraction": stats["very_rare_target_frac"],
         "aug": al,
         "tolerance": TOLERANCE,
-        "reference": "fairseq_agg.testing.reference in float64 on the same rounded inputs",
+        "reference": "scripts/reference_constructions.py in float64 on the same rounded inputs",
     }
     cases = [("CE", 0.0, False, False), ("AGG eps=0", 0.0, True, False), ("AGG eps=0.1", 0.1, True, False),
              ("AL", 0.0, False, True)]
@@ -270,14 +250,14 @@ def part_correctness(plan: Plan, device: torch.device):
     dw_by_case = {}
     for dtype_name in ("fp32", "bf16"):
         dtype = DTYPES[dtype_name]
-        h_in, w_in = hidden0.to(device, dtype), weight0.to(device, dtype)
+        h_in, w_in = problem.hidden.detach().to(dtype), problem.weight.detach().to(dtype)
         for case, eps, use_gates, use_al in cases:
             h = h_in.clone().requires_grad_(True)
             w = w_in.clone().requires_grad_(True)
             teacher = build_teacher(w.detach(), target, al["tau"], al["coef"], masked_columns=[PAD]) if use_al else None
-            loss, nll, _ = fused_linear_loss(
-                h, w, target, eps, gates=gates if use_gates else None, teacher=teacher, chunk_size=plan.check_chunk
-            )
+            out = fused_linear_loss(h, w, target, LossRequest(
+                eps, gates=gates if use_gates else None, teacher=teacher, chunk_size=plan.check_chunk))
+            loss, nll = out.loss, out.nll
             loss.backward()
             h64 = h_in.double().requires_grad_(True)
             w64 = w_in.double().requires_grad_(True)
@@ -306,65 +286,87 @@ def part_correctness(plan: Plan, device: torch.device):
 # 2. the output layer
 
 
-class OutputProblem:
-    """H (N x d), W (V x d) leaves, Zipfian targets and AGG window counts at one shape and dtype."""
+class ShapeProblem(OutputProblem):
+    """The output-layer problem at one of the plan's shapes (N, d, V, label smoothing, AGG alpha),
+    with the augmented loss's defaults."""
 
-    def __init__(self, shape, dtype, device, seed=0):
-        self.n, self.d, self.v, self.eps, self.agg_alpha = shape
-        self.device, self.dtype = device, dtype
-        g = torch.Generator().manual_seed(seed)
-        unigram = zipf_unigram(self.v)
-        self.window_updates = 100
-        window = torch.poisson(unigram * (self.window_updates * self.n), generator=g)
-        self.window_counts = window.to(device, torch.int64)
-        self.target = torch.multinomial(unigram.float(), self.n, replacement=True, generator=g).to(device)
-        self.hidden = torch.randn(self.n, self.d, generator=g).to(device, dtype).requires_grad_(True)
-        self.weight = (torch.randn(self.v, self.d, generator=g) * self.d**-0.5).to(device, dtype).requires_grad_(True)
+    def __init__(self, shape, dtype, device):
+        tokens, dim, vocab, self.eps, agg_alpha = shape
+        super().__init__(tokens, dim, vocab, dtype=dtype, device=device, agg_alpha=agg_alpha)
         self.al = al_defaults()
 
-    def clear(self):
-        self.hidden.grad = None
-        self.weight.grad = None
 
-    def gates(self):
-        """What the AGG criterion does per micro-batch: histogram into the window, then the gates."""
-        from fairseq_agg.ops.agg_gates import agg_gates, target_histogram
-
-        counts = self.window_counts + target_histogram(self.target, self.v)
-        return agg_gates(counts, self.window_updates + 1, self.agg_alpha, NSPECIAL)
-
-
-def stock_step(p: OutputProblem, chunk=None):
-    """fairseq's criteria on materialised logits: ``get_normalized_probs`` (utils.log_softmax in
-    fp32) then ``cross_entropy``'s nll_loss, or ``label_smoothed_nll_loss`` when eps > 0."""
-    from fairseq import utils as fairseq_utils
-    from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
-
-    lprobs = fairseq_utils.log_softmax(F.linear(p.hidden, p.weight), dim=-1)
-    if p.eps > 0:
-        loss, _ = label_smoothed_nll_loss(lprobs, p.target, p.eps, ignore_index=PAD, reduce=True)
-    else:
-        loss = F.nll_loss(lprobs, p.target, ignore_index=PAD, reduction="sum")
-    loss.backward()
-    return loss.detach()
+def stock_step(p: ShapeProblem, chunk=None):
+    """fairseq's stock criterion of the shape: ``cross_entropy``, or ``label_smoothed_cross_entropy``
+    when eps > 0."""
+    return stock_loss(p, p.eps if p.eps > 0 else None)
 
 
 def fused_step(kind):
-    def step(p: OutputProblem, chunk):
-        from fairseq_agg.ops.augmented import build_teacher
-        from fairseq_agg.ops.fused_linear_loss import fused_linear_loss
-
+    def step(p: ShapeProblem, chunk):
         gates = p.gates() if kind == "agg" else None
         teacher = None
         if kind == "al":
             teacher = build_teacher(p.weight.detach(), p.target, p.al["tau"], p.al["coef"], masked_columns=[PAD])
-        loss, _, _ = fused_linear_loss(
-            p.hidden, p.weight, p.target, p.eps, gates=gates, teacher=teacher, chunk_size=chunk
-        )
+        loss = fused_linear_loss(
+            p.hidden, p.weight, p.target, LossRequest(p.eps, gates=gates, teacher=teacher, chunk_size=chunk)
+        ).loss
         loss.backward()
         return loss.detach()
 
     return step
+
+
+class NotApplicable(Exception):
+    """A variant that does not apply to a shape (recorded as skipped, not as an error)."""
+
+
+def torch_step(chunking):
+    """PyTorch's ``F.linear_cross_entropy`` at the shape's smoothing: its reference path
+    (``chunking`` None), its chunked path with the chunk size it picks ("auto"), or with the chunk
+    of the sweep ("sweep")."""
+
+    def step(p: ShapeProblem, chunk):
+        missing = torch_linear_ce_missing()
+        if missing:
+            raise NotApplicable(missing)
+        if chunking is not None and p.eps > 0:
+            raise NotApplicable("torch's chunked path takes no label smoothing (it falls back to its reference path)")
+        return torch_linear_ce(p, p.eps, chunk if chunking == "sweep" else chunking)
+
+    return step
+
+
+def floor_step(p: ShapeProblem, chunk):
+    return matmul_floor(p, chunk)
+
+
+def optional_version(module, distribution):
+    version = getattr(module, "__version__", None)
+    if version is None:
+        from importlib import metadata
+
+        version = metadata.version(distribution)
+    return version
+
+
+def cce_step_factory():
+    """Apple's cut-cross-entropy (its default ``impl="cce"`` Triton kernels), or why it cannot run."""
+    try:
+        import cut_cross_entropy
+        from cut_cross_entropy import linear_cross_entropy
+    except Exception as e:  # not installed, or no Triton
+        return None, f"cut_cross_entropy not importable: {type(e).__name__}: {e}"
+
+    def step(p: ShapeProblem, chunk=None):
+        if p.eps > 0:
+            raise NotApplicable("cut-cross-entropy takes no label smoothing")
+        loss = linear_cross_entropy(p.hidden, p.weight, p.target, ignore_index=PAD, reduction="sum")
+        loss.backward()
+        return loss.detach()
+
+    return step, (f"cut-cross-entropy {optional_version(cut_cross_entropy, 'cut-cross-entropy')} (impl cce, "
+                  "its default gradient filtering)")
 
 
 def liger_step_factory():
@@ -374,14 +376,10 @@ def liger_step_factory():
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
     except Exception as e:  # not installed, or no Triton
         return None, f"liger_kernel not importable: {type(e).__name__}: {e}"
-    version = getattr(liger_kernel, "__version__", None)
-    if version is None:
-        from importlib import metadata
-
-        version = metadata.version("liger-kernel")
+    version = optional_version(liger_kernel, "liger-kernel")
     modules = {}
 
-    def step(p: OutputProblem, chunk=None):
+    def step(p: ShapeProblem, chunk=None):
         if p.eps not in modules:
             # label smoothing in PyTorch's convention (eps / V on every class); fairseq's puts
             # eps / (V - 1) on the non-targets: the same work, a slightly different loss
@@ -393,21 +391,16 @@ def liger_step_factory():
     return step, f"liger-kernel {version}"
 
 
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def measure(p: OutputProblem, step, chunk, warmup, repeats):
+def measure(p: ShapeProblem, step, chunk, warmup, repeats):
     """Median ms of forward + backward (CUDA events on a GPU) and the peak MiB above the start."""
     for _ in range(warmup):
-        p.clear()
+        p.clear_grads()
         step(p, chunk)
     times = []
     for _ in range(repeats):
-        p.clear()
-        synchronize(p.device)
+        p.clear_grads()
         if p.device.type == "cuda":
+            torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             loss = step(p, chunk)
@@ -420,25 +413,37 @@ def measure(p: OutputProblem, step, chunk, warmup, repeats):
             times.append((time.perf_counter() - t) * 1e3)
     peak = None
     if p.device.type == "cuda":
-        p.clear()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step(p, chunk)
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / MIB  # includes the gradients left behind
-    p.clear()
+        p.clear_grads()
+        peak = cuda_peak_bytes(lambda: step(p, chunk)) / MIB  # includes the gradients left behind
+    p.clear_grads()
     return {"median_ms": round(statistics.median(times), 3), "ms": [round(t, 3) for t in times],
             "peak_mib": None if peak is None else round(peak, 1), "loss": float(loss)}
+
+
+def measure_or_skip(p, step, chunk, plan):
+    try:
+        return measure(p, step, chunk, plan.warmup, plan.repeats)
+    except NotApplicable as e:
+        return {"skipped": str(e)}
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def part_output_layer(plan: Plan, device: torch.device, budget: Budget):
     chunk0 = default_chunk()
     liger, liger_note = liger_step_factory()
-    variants = {"stock": stock_step, "fused_ce": fused_step("ce"), "agg": fused_step("agg"), "al": fused_step("al")}
+    cce, cce_note = cce_step_factory()
+    variants = {"stock": stock_step, "fused_ce": fused_step("ce"), "agg": fused_step("agg"), "al": fused_step("al"),
+                "torch_ref": torch_step(None), "torch_auto": torch_step("auto"), "floor": floor_step}
     if liger is not None:
         variants["liger"] = liger
+    if cce is not None:
+        variants["cce"] = cce
+    torch_missing = torch_linear_ce_missing()
     result = {"default_chunk": chunk0, "liger": liger_note if liger else "skipped: " + liger_note,
+              "cce": cce_note if cce else "skipped: " + cce_note,
+              "torch": torch_missing or f"torch {torch.__version__} F.linear_cross_entropy, reduction sum; label "
+              "smoothing converted to PyTorch's convention, eps' = eps V / (V - 1) (the same distribution)",
               "memory": "torch.cuda.max_memory_allocated above the step's start" if device.type == "cuda"
               else "not measured on a CPU",
               "timing": "CUDA events, median" if device.type == "cuda" else "perf_counter, median",
@@ -450,30 +455,27 @@ def part_output_layer(plan: Plan, device: torch.device, budget: Budget):
             if budget.left() < 20:
                 skipped.append(key)
                 continue
-            p = OutputProblem(shape, DTYPES[dtype_name], device)
-            gates = p.gates()
-            rare_t = gates.rare[p.target]
-            entry = {"N": p.n, "d": p.d, "V": p.v, "eps": p.eps, "agg_alpha": p.agg_alpha,
-                     "rare_target_fraction": round(float(rare_t.double().mean()), 4),
-                     "unique_targets": int(torch.unique(p.target).numel()), "variants": {}, "sweep": {}}
+            p = ShapeProblem(shape, DTYPES[dtype_name], device)
+            stats = p.target_stats()
+            entry = {"N": p.tokens, "d": p.dim, "V": p.vocab, "eps": p.eps, "agg_alpha": p.agg_alpha,
+                     "rare_target_fraction": round(stats["rare_target_frac"], 4),
+                     "unique_targets": stats["unique_targets"], "variants": {}, "sweep": {}}
             for name, step in variants.items():
-                try:
-                    entry["variants"][name] = measure(p, step, chunk0, plan.warmup, plan.repeats)
-                except Exception as e:
-                    entry["variants"][name] = {"error": f"{type(e).__name__}: {e}"}
+                entry["variants"][name] = measure_or_skip(p, step, chunk0, plan)
                 log(f"[gpu_check] {key} {name}: {entry['variants'][name]}")
-            for name in ("agg", "al"):
+            swept = {"agg": variants["agg"], "al": variants["al"]}
+            if p.eps == 0 and not torch_missing:  # torch's chunked path takes no smoothing
+                swept["torch_chunk"] = torch_step("sweep")
+            for name, step in swept.items():
                 for chunk in plan.chunk_sweep:
-                    if chunk == chunk0 or budget.left() < 15:
+                    if (chunk == chunk0 and name != "torch_chunk") or budget.left() < 15:
                         continue
-                    try:
-                        entry["sweep"][f"{name}@{chunk}"] = measure(p, variants[name], chunk, plan.warmup, plan.repeats)
-                    except Exception as e:
-                        entry["sweep"][f"{name}@{chunk}"] = {"error": f"{type(e).__name__}: {e}"}
+                    entry["sweep"][f"{name}@{chunk}"] = measure_or_skip(p, step, chunk, plan)
             entry["ratios"] = output_ratios(entry["variants"])
+            entry["ratios"].update(anchor_ratios(entry))
             entry["best_chunk"] = best_chunks(entry, chunk0)
             result["runs"][key] = entry
-            del p, gates
+            del p
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     if skipped:
@@ -501,9 +503,27 @@ def output_ratios(variants):
     return out
 
 
+def anchor_ratios(entry):
+    """Issue #25's ratios: the fused variants against the floor, the fused CE, torch's fastest
+    variant at the shape's smoothing, the peak of torch's chunked path (its own chunk size) and CCE."""
+    timed = {**entry["variants"], **{k: v for k, v in entry["sweep"].items() if k.startswith("torch_chunk@")}}
+    ms = {k: v.get("median_ms") for k, v in timed.items()}
+    torch_keys = [k for k in ("torch_ref", "torch_auto", *entry["sweep"]) if k.startswith("torch") and ms.get(k)]
+    best = min(torch_keys, key=ms.get) if torch_keys else None
+    chunked_peak = entry["variants"].get("torch_auto", {}).get("peak_mib")
+    out = {"torch_best": best, "al_time_vs_fused_ce": _ratio(ms.get("al"), ms.get("fused_ce"))}
+    for name in ("fused_ce", "agg", "al"):
+        out[f"{name}_time_vs_floor"] = _ratio(ms.get(name), ms.get("floor"))
+        out[f"{name}_time_vs_torch_best"] = _ratio(ms.get(name), ms.get(best))
+        out[f"{name}_memory_vs_torch_chunked"] = _ratio(entry["variants"].get(name, {}).get("peak_mib"), chunked_peak)
+        out[f"{name}_time_vs_cce"] = _ratio(ms.get(name), ms.get("cce"))
+    out["torch_best_time_vs_floor"] = _ratio(ms.get(best), ms.get("floor"))
+    return out
+
+
 def best_chunks(entry, chunk0):
     best = {}
-    for name in ("agg", "al"):
+    for name in ("agg", "al", "torch_chunk"):
         timed = {chunk0: entry["variants"].get(name, {}).get("median_ms")}
         for key, value in entry["sweep"].items():
             vname, _, chunk = key.partition("@")
@@ -594,19 +614,32 @@ def train_args(plan: Plan, data: str, save_dir: str, arch: str, precision: str, 
 
 
 def train_worker(result_path: str, argv):
-    """Runs fairseq-train's own entry point in this process, then writes its peak memory.
+    """Runs fairseq-train's own entry point in this process, then writes its peak memory and the
+    time at which every update ended (``Trainer.train_step`` returned; scripts/bench_training.py
+    takes updates per second from them).
 
     ``--user-dir`` is this process's own copy of the package: fairseq refuses a second, different
     directory under the name it has already imported (the parent may run from a source tree).
     """
+    from fairseq.trainer import Trainer
     from fairseq_cli import train
 
+    update_ends = []
+    train_step = Trainer.train_step
+
+    def timed_train_step(self, *args, **kwargs):
+        try:
+            return train_step(self, *args, **kwargs)
+        finally:
+            update_ends.append(time.perf_counter() - started)
+
+    Trainer.train_step = timed_train_step
     sys.argv = ["fairseq-train", "--user-dir", USER_DIR] + list(argv)
     started = time.perf_counter()
     try:
         train.cli_main()
     finally:
-        result = {"wall_s": time.perf_counter() - started,
+        result = {"wall_s": time.perf_counter() - started, "update_ends_s": update_ends,
                   "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             result["cuda_peak_mib"] = torch.cuda.max_memory_allocated() / MIB
@@ -636,7 +669,7 @@ def run_train(plan: Plan, device, data, workdir, name, arch, extra, precision, t
     result_path = os.path.join(workdir, "worker.json")
     if os.path.exists(result_path):
         os.remove(result_path)
-    cmd = [sys.executable, "-m", "fairseq_agg.testing.gpu_check", "--train-worker", result_path, "--",
+    cmd = [sys.executable, os.path.abspath(__file__), "--train-worker", result_path, "--",
            *train_args(plan, data, save_dir, arch, precision, device), *extra]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if device.type == "cpu":
@@ -747,14 +780,7 @@ class _DecoderOnlyModel(torch.nn.Module):
 
 def _time_call(fn, device, repeats):
     fn()  # warm-up (and the row-set cache)
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        t = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append((time.perf_counter() - t) * 1e3)
-    return round(statistics.median(times), 2)
+    return round(statistics.median(wall_seconds(fn, device) * 1e3 for _ in range(repeats)), 2)
 
 
 def part_stats(plan: Plan, device: torch.device):
@@ -819,6 +845,12 @@ def evaluate_targets(data):
         add("AGG output-layer time / Liger", key, r.get("agg_time_vs_liger"), TARGETS["agg_time_vs_liger"])
         add("AGG output-layer peak memory / stock", key, r.get("agg_memory_vs_stock"), TARGETS["agg_memory_vs_stock"])
         add("AL output-layer time / Liger", key, r.get("al_time_vs_liger"), TARGETS["al_time_vs_liger"])
+        add("fused CE time / three-matmul floor", key, r.get("fused_ce_time_vs_floor"), TARGETS["fused_ce_time_vs_floor"])
+        add("AGG time / three-matmul floor", key, r.get("agg_time_vs_floor"), TARGETS["agg_time_vs_floor"])
+        add("AL time / fused CE", key, r.get("al_time_vs_fused_ce"), TARGETS["al_time_vs_fused_ce"])
+        for name in ("fused_ce", "agg", "al"):
+            add(f"{name} peak memory / torch chunked (auto)", key, r.get(f"{name}_memory_vs_torch_chunked"),
+                TARGETS["memory_vs_torch_chunked"])
     for key, r in parts.get("train", {}).get("ratios", {}).items():
         if key.endswith("cross_entropy_agg"):
             add("fairseq-train words/s, AGG / stock", key, r.get("wps_vs_stock"), TARGETS["agg_train_wps_vs_stock"],
@@ -881,21 +913,27 @@ def render_markdown(data):
                            for r in part["cases"]]))
     part = section("2. Output layer + loss (forward + backward)", "output_layer")
     if part and "runs" in part:
-        out.append(f"\nDefault chunk {part['default_chunk']}; Liger: {part['liger']}; timing: {part['timing']}; "
-                   f"memory: {part['memory']}.\n")
+        out.append(f"\nDefault chunk {part['default_chunk']}; Liger: {part['liger']}; CCE: {part.get('cce')}; "
+                   f"torch: {part.get('torch')}; floor: the three matmuls alone (logits, dH, dW) at the default "
+                   f"chunk; timing: {part['timing']}; memory: {part['memory']}.\n")
         for key, entry in part["runs"].items():
             out.append(f"\n### {key}: N={entry['N']}, d={entry['d']}, V={entry['V']}, eps={entry['eps']} "
                        f"(rare targets {entry['rare_target_fraction']:.1%}, {entry['unique_targets']} unique)\n\n")
             v = entry["variants"]
-            stock, liger = v.get("stock", {}), v.get("liger", {})
+            stock, liger, floor = v.get("stock", {}), v.get("liger", {}), v.get("floor", {})
+            best = entry["ratios"].get("torch_best")
+            best_ms = {**v, **entry["sweep"]}.get(best, {}).get("median_ms")
             rows = []
             for name, m in v.items():
                 rows.append([name, m.get("median_ms"), m.get("peak_mib"),
                              _ratio(m.get("median_ms"), stock.get("median_ms")),
+                             _ratio(m.get("median_ms"), best_ms), _ratio(m.get("median_ms"), floor.get("median_ms")),
                              _ratio(m.get("median_ms"), liger.get("median_ms")),
-                             _ratio(m.get("peak_mib"), stock.get("peak_mib")), m.get("loss", m.get("error"))])
-            out.append(_table(["variant", "median ms", "peak MiB", "time / stock", "time / Liger", "memory / stock",
-                               "loss"], rows))
+                             _ratio(m.get("peak_mib"), stock.get("peak_mib")),
+                             m.get("loss", m.get("error") or m.get("skipped"))])
+            out.append(f"torch's fastest variant here: {best or '–'}.\n\n")
+            out.append(_table(["variant", "median ms", "peak MiB", "time / stock", "time / torch best", "time / floor",
+                               "time / Liger", "memory / stock", "loss"], rows))
             if entry["sweep"]:
                 out.append("\nChunk sweep (median ms / peak MiB): " + ", ".join(
                     f"{k} {_fmt(m.get('median_ms'))} / {_fmt(m.get('peak_mib'))}" for k, m in entry["sweep"].items())
@@ -933,7 +971,7 @@ def render_markdown(data):
 
 def collect_meta(plan: Plan, device: torch.device, argv):
     meta = {"mode": plan.mode, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": " ".join(["python -m fairseq_agg.testing.gpu_check", *argv]),
+            "command": " ".join(["python scripts/gpu_check.py", *argv]),
             "python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "fairseq_agg": __version__, "cpu_count": os.cpu_count()}
     if device.type == "cuda":
@@ -951,7 +989,7 @@ def collect_meta(plan: Plan, device: torch.device, argv):
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(prog="python -m fairseq_agg.testing.gpu_check", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python scripts/gpu_check.py", description=__doc__.split("\n")[0])
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (CI)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "gpu_check",
                     help="output folder (default: $OUT or ./gpu_check)")

@@ -1,5 +1,8 @@
 """Reference constructions, written for clarity, not speed: the test oracle and benchmark baseline.
 
+One copy, in scripts/ beside the benchmarks and the GPU check that run it, outside the installed
+package; the tests import it through pytest's ``pythonpath`` (scripts/output_problem.py says why).
+
 ``reference_output_loss`` is the AGG construction of the released code (Yu et al. 2022; docs/agg.md):
 three cross-entropy terms over the same logit values,
 

@@ -1,19 +1,19 @@
-"""Helpers for end-to-end tests: tiny corpora and real fairseq command-line subprocesses.
-
-The corpora are generated from a small Markov "language" with a Zipfian vocabulary, so that a
-model can learn something in a few updates (the loss goes down) and rare tokens exist.
+"""Helpers for end-to-end tests: tiny corpora (scripts/synthetic_text.py) made into data-bins and
+real fairseq command-line subprocesses. Not part of the installed package: importable as
+``fairseq_runs`` through pytest's ``pythonpath`` (pyproject.toml), which also holds scripts/.
 """
 import json
 import os
-import random
 import subprocess
 import sys
 
 import pytest
+from synthetic_text import markov_sentences, write_lines
+
+# The plugin's --user-dir: the package, wherever it is installed.
+from fairseq_agg import USER_DIR
 
 BIN_DIR = os.path.dirname(sys.executable)
-# The plugin's --user-dir: this package, wherever it is installed.
-USER_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_config(data, base_args, extra):
@@ -96,35 +96,6 @@ def run_cli(name, args, cwd=None, expect_ok=True, timeout=900):
             f"\n--- stderr ---\n{proc.stderr[-6000:]}"
         )
     return proc
-
-
-def _zipf_words(n_words, prefix, rng):
-    return [f"{prefix}{i}" for i in range(n_words)]
-
-
-def markov_sentences(n_sent, n_words=300, seed=0, min_len=4, max_len=18, prefix="w"):
-    """Sentences from a sparse first-order Markov chain over a Zipf-distributed vocabulary."""
-    rng = random.Random(seed)
-    words = _zipf_words(n_words, prefix, rng)
-    weights = [1.0 / (i + 1) ** 1.1 for i in range(n_words)]
-    # each word has a few likely successors, drawn from the Zipf distribution
-    succ = {w: rng.choices(words, weights=weights, k=4) for w in words}
-    out = []
-    for _ in range(n_sent):
-        length = rng.randint(min_len, max_len)
-        w = rng.choices(words, weights=weights, k=1)[0]
-        sent = [w]
-        for _ in range(length - 1):
-            w = rng.choice(succ[w]) if rng.random() < 0.8 else rng.choices(words, weights=weights, k=1)[0]
-            sent.append(w)
-        out.append(" ".join(sent))
-    return out
-
-
-def write_lines(path, lines):
-    with open(path, "w", encoding="utf-8") as f:
-        for line in lines:
-            f.write(line + "\n")
 
 
 def make_lm_data(root, n_train=1200, n_valid=120, n_test=120, seed=0):

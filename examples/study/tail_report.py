@@ -1,0 +1,334 @@
+"""The tail part's report (docs/study.md, "Part tail"): what :func:`examples.study.report.make_report`
+adds for it, from the finished runs' result.json files and the data report alone.
+
+* the data: vocabulary, coverage and ``<unk>`` rate per split, the frequency groups, and AGG's
+  rare set at a window of one full epoch (:func:`examples.study.tail_data.data_report`);
+* two tables (perplexity; embedding and diversity), the claims table (claim | measured | exceeds
+  the spread? | verdict, the form of docs/results.md; the verdict is the mechanical one of
+  :func:`verdict`, to be read with the numbers), the convergence of every run and seed (the
+  calibration criterion), and the part's wall time at this budget;
+* figures, every line and bar told apart by an Okabe-Ito colour (distinguishable with the common
+  colour-vision deficiencies) and, for lines, by line style and marker too: learning curves with
+  one panel per group of methods, test PPL per frequency group under both groupings, and the size
+  of AGG's rare set over training.
+"""
+import os
+from typing import Dict, List, Optional
+
+from examples.demo.wordsim import DATASETS
+from examples.demo_common import markdown_table, seed_band
+from examples.study.metrics import compare_to_baseline, convergence
+from fairseq_agg.stats.plots import pyplot
+
+GROUPS = ("freq", "med", "rare")
+# Okabe & Ito (2008), "Color Universal Design": black for the baseline, the pale yellow last
+OKABE_ITO = ("#000000", "#E69F00", "#56B4E9", "#009E73", "#D55E00", "#0072B2", "#CC79A7", "#F0E442")
+LINE_STYLES = ("-", "--", "-.", ":")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+# the learning-curve panels: AGG's family, and the other remedies; the baseline is in both
+PANELS = (("AGG, its threshold, freezing", ("baseline", "agg", "agg-a0.09", "agg-a0.01", "freeze", "agg+coupled-adam")),
+          ("other remedies", ("baseline", "coupled-adam", "al", "cosreg", "face", "ul")))
+
+# (claim and its source, run, metric key of the summary, expected change, compared with).
+# "up" / "down": the run's value is higher / lower than the other's; "same": no difference.
+CLAIMS = (
+    ("AGG raises isotropy I(W) (Yu et al., ACL 2022, main table; 0.377 → 0.813 in the authors' slides, "
+     "unverified)", "agg", "isotropy", "up", "baseline"),
+    ("… also in the paper's form of I(W)", "agg", "isotropy_raw", "up", "baseline"),
+    ("… at about equal test PPL (same source: 15.51 for both)", "agg", "test_ppl", "same", "baseline"),
+    ("AGG lowers the rare group's PPL (Yu et al. 2022, per-group table; the paper's groups)", "agg",
+     "test_ppl_rare", "down", "baseline"),
+    ("AGG raises Uniq (Yu et al. 2022, main table)", "agg", "uniq", "up", "baseline"),
+    ("AGG improves word similarity (Yu et al. 2022: WS353 among MEN/RG65/RW)", "agg", "ws_wordsim353", "up",
+     "baseline"),
+    ("… on SimLex-999 (not in the paper)", "agg", "ws_simlex999", "up", "baseline"),
+    ("Freezing rare embeddings raises I(W) (Yu et al. 2022, Table 1; secondary quotation, unverified)", "freeze",
+     "isotropy", "up", "baseline"),
+    ("… while the rare group's PPL rises (same table: 3.7×)", "freeze", "test_ppl_rare", "up", "baseline"),
+    ("AGG spares the rare group the PPL that freezing costs it: lower rare-group PPL than freezing (Yu et al. "
+     "2022: freezing raises it in Table 1, AGG lowers it)", "agg", "test_ppl_rare", "down", "freeze"),
+    ("Coupled Adam raises isotropy (Stollenwerk & Stollenwerk, ACL 2025)", "coupled-adam", "isotropy", "up",
+     "baseline"),
+    ("Coupled Adam lowers the PPL (same paper, larger models and data)", "coupled-adam", "test_ppl", "down",
+     "baseline"),
+    ("REAL lowers the PPL of a tied model (Inan et al., ICLR 2017, Table 1: 85.1 → 82.7)", "al", "test_ppl", "down",
+     "baseline"),
+    ("CosReg raises isotropy (Gao et al., ICLR 2019)", "cosreg", "isotropy", "up", "baseline"),
+    ("AGG has a lower PPL than CosReg (Yu et al. 2022, main table)", "agg", "test_ppl", "down", "cosreg"),
+    ("AGG has a lower PPL than FACE (same)", "agg", "test_ppl", "down", "face"),
+    ("AGG has a lower PPL than UL (same)", "agg", "test_ppl", "down", "ul"),
+    ("FACE raises diversity, Uniq (Jiang et al., WWW 2019)", "face", "uniq", "up", "baseline"),
+    ("Token-level unlikelihood raises diversity, Uniq (Welleck et al., ICLR 2020)", "ul", "uniq", "up", "baseline"),
+)
+
+
+def columns(m, results):
+    """The tail part's (key, header, digits, getter) columns; ``m(*path)`` reads result["metrics"]."""
+    ppl = [("valid_ppl", "valid PPL", 1, m("valid_ppl")), ("test_ppl", "test PPL", 1, m("test_ppl"))]
+    ppl += [(f"test_ppl_{g}", f"paper {g}", 1, m(f"test_ppl_{g}")) for g in GROUPS]
+    ppl += [(f"test_ppl_demo_{g}", f"30/50/20 {g}", 1, m(f"test_ppl_demo_{g}")) for g in GROUPS]
+    emb = [("isotropy", "I(W)", 3, m("isotropy")), ("isotropy_raw", "I(W) paper", 3, m("isotropy_raw")),
+           ("tev_mu", "µTEV", 4, m("tev_mu")), ("tev_sigma", "σTEV", 4, m("tev_sigma")),
+           ("mean_cos", "mean cos", 3, m("mean_cos"))]
+    stems = sorted({s for r in results for s in (r["metrics"].get("word_similarity") or {})})
+    emb += [(f"ws_{stem}", f"ρ {DATASETS.get(stem, stem)}", 3, m("word_similarity", stem, "single", "rho"))
+            for stem in stems]
+    emb += [("uniq", "Uniq", 0, m("uniq", "uniq")), ("agg_rare", "AGG rare", 0, m("agg_window", "rare")),
+            ("agg_rare_seen", "rare seen %", 1,
+             lambda r: None if (r["metrics"].get("agg_window") or {}).get("rare_seen_fraction") is None
+             else 100.0 * r["metrics"]["agg_window"]["rare_seen_fraction"]),
+            ("train_seconds", "train s", 0, lambda r: r.get("train_seconds"))]
+    return ppl + emb
+
+
+def tables(headers, rows, n_ppl=8):
+    """The two markdown tables of the part: perplexity, then embedding and diversity (the first
+    two columns, run and seeds, in both)."""
+    first = markdown_table(headers[:2 + n_ppl], [r[:2 + n_ppl] for r in rows])
+    second = markdown_table(headers[:2] + headers[2 + n_ppl:], [r[:2] + r[2 + n_ppl:] for r in rows])
+    return ["### Perplexity", "", first, "", "### Embedding, word similarity, diversity, AGG's rare set", "", second]
+
+
+# ---------------------------------------------------------------------------- claims
+
+
+def verdict(expected: str, diff: Optional[float], exceeds: Optional[bool]) -> str:
+    """The mechanical verdict of one claim: the sign of ``diff`` (run − other) against the
+    ``expected`` change, and whether it exceeds the seed spread (None: one seed on a side)."""
+    if diff is None:
+        return "not measured"
+    if expected == "same":
+        if exceeds is None:
+            return "one seed: no spread to judge"
+        return "**reproduced**: no difference beyond the spread" if not exceeds else "**not reproduced**: differs"
+    if diff == 0:
+        return "**not reproduced**: no difference"
+    matches = diff > 0 if expected == "up" else diff < 0
+    if exceeds is None:
+        return f"one seed: direction {'as claimed' if matches else 'opposite'}, no spread to judge"
+    if not exceeds:
+        return "**not reproduced**: within the seed spread"
+    return "**reproduced in direction**" if matches else "**reversed**"
+
+
+def _number(x):
+    """3 significant digits, without an exponent for large values (perplexities of thousands)."""
+    return f"{x:.0f}" if abs(x) >= 1000 else f"{x:.3g}"
+
+
+def _cell(s):
+    if s is None or s["mean"] is None:
+        return "-"
+    n = len([v for v in s["values"] if v is not None])
+    return _number(s["mean"]) + (f"±{_number(s['spread'])}" if n > 1 else "")
+
+
+def claims(summary) -> List[dict]:
+    """Every claim whose runs finished: its numbers and verdict."""
+    out = []
+    for text, run, key, expected, other in CLAIMS:
+        if run not in summary or other not in summary or key not in summary[run]:
+            continue
+        a, b = summary[run][key], summary[other][key]
+        if a["mean"] is None or b["mean"] is None:
+            continue
+        diff = a["mean"] - b["mean"]
+        exceeds = compare_to_baseline(a["values"], b["values"])
+        rel = f" ({100 * diff / abs(b['mean']):+.1f} %)" if b["mean"] else ""
+        out.append({"claim": text, "run": run, "other": other, "key": key, "expected": expected, "diff": diff,
+                    "exceeds": exceeds, "verdict": verdict(expected, diff, exceeds),
+                    "measured": f"{key}: {other} {_cell(b)} → {run} {_cell(a)}{rel}; seeds {len(b['values'])} / "
+                                f"{len(a['values'])}"})
+    return out
+
+
+def claims_table(found) -> List[str]:
+    if not found:
+        return []
+    rows = [[c["claim"], c["measured"], {True: "yes", False: "no", None: "—"}[c["exceeds"]], c["verdict"]]
+            for c in found]
+    return ["### Claims", "", markdown_table(["claim (source)", "measured (mean±h over seeds)",
+                                              "exceeds the spread?", "verdict (mechanical)"], rows), "",
+            "Exceeds the spread: |difference of the means| > h + h_other (h = half the seed range; needs two "
+            "seeds on both sides, — otherwise). The verdict only combines that with the sign of the difference.", ""]
+
+
+# ---------------------------------------------------------------------------- data and calibration
+
+
+def data_section(report) -> List[str]:
+    if not report:
+        return ["### Data", "", "(no data report: the data directory WORK/_data/tail is not there)", ""]
+    v, rows = report["vocabulary"], []
+    for split, s in report["splits"].items():
+        rows.append([split, s["lines"], s["tokens"], s["unk"], f"{100 * s['unk_rate']:.2f} %",
+                     f"{100 * s['coverage']:.2f} %"])
+    lines = ["### Data", "",
+             f"Vocabulary ({v['rule']}, fairseq-preprocess --thresholdsrc): {v['size']} entries = {v['types']} types "
+             f"+ {v['specials']} specials + {v['madeupwords']} madeupword fillers; the training split has "
+             f"{v['train_types']} types, {v['train_types_at_min_count']} of them at least {v['min_train_count']} "
+             "times. "
+             f"Token coverage over all splits: {100 * report['coverage']:.2f} %.", "",
+             markdown_table(["split", "lines", "tokens", "<unk>", "<unk> rate", "coverage"], rows), "",
+             "Frequency groups (types): " + "; ".join(
+                 f"{name} " + " / ".join(f"{g} {n}" for g, n in sizes.items())
+                 for name, sizes in report["groups"].items()) + ".", ""]
+    rare = [[f"{r['alpha']:g}", f"{r['count_threshold']:.2f}", r["rare"], r["rare_seen"], r["rare_unseen"],
+             "-" if r["rare_seen_fraction"] is None else f"{100 * r['rare_seen_fraction']:.1f} %", r["very_rare"]]
+            for r in report["agg_rare_full_window"]]
+    lines += ["AGG's rare set over a window of one full epoch (every training target, relative threshold at "
+              f"{report['agg_rare_full_window'][0]['ref_tokens']} tokens per update): a type is rare below the "
+              "count threshold.", "",
+              markdown_table(["α", "count threshold", "rare", "with counts", "never counted", "share with counts",
+                              "g2 < 1"], rare), ""]
+    return lines
+
+
+def convergence_section(names, by_name) -> List[str]:
+    """Every run's valid PPL change over the last fifth, seed by seed (the calibration criterion)."""
+    rows = []
+    for n in names:
+        for r in by_name[n]:
+            c = convergence(r["curves"]["valid_ppl"], r["updates"])
+            if c is None:
+                rows.append([n, r["seed"], "-", "-", "too few validations"])
+                continue
+            rows.append([n, r["seed"], f"{c['from']:.2f} → {c['to']:.2f}", f"{100 * c['change']:+.2f} %",
+                         "yes" if c["converged"] else "**no**"])
+    return ["### Convergence of every run (valid PPL over the last fifth of training; criterion |change| < 1 %)", "",
+            markdown_table(["run", "seed", "valid PPL", "change", "converged"], rows), ""]
+
+
+def timing_section(results, planned, jobs) -> List[str]:
+    """The mean wall time of the finished runs and what the planned runs take at that rate."""
+    walls = [r.get("wall_seconds") for r in results if r.get("wall_seconds")]
+    if not walls:
+        return []
+    mean = sum(walls) / len(walls)
+    return [f"Per run: {mean / 60:.1f} min of wall time on average (training and evaluation, {len(walls)} runs); "
+            f"the {planned} planned runs at that rate on {jobs} lane(s): about {planned * mean / jobs / 3600:.1f} h.",
+            ""]
+
+
+# ---------------------------------------------------------------------------- figures
+
+
+def run_style(names):
+    """{name: {color, linestyle, marker}} of the lines of one panel: the baseline black and solid,
+    the others in the order given, no two of the first eight with the same colour."""
+    others = [n for n in names if n != "baseline"]
+    style = {"baseline": {"color": OKABE_ITO[0], "linestyle": "-", "marker": "o"}}
+    for i, n in enumerate(others):
+        style[n] = {"color": OKABE_ITO[1 + i % (len(OKABE_ITO) - 1)],
+                    "linestyle": LINE_STYLES[(i + 1) % len(LINE_STYLES)], "marker": MARKERS[(i + 1) % len(MARKERS)]}
+    return style
+
+
+def figure_curves(by_name, names, path):
+    """Train loss and valid PPL (rows) for each group of methods (columns): the mean over seeds
+    with a min-max band."""
+    plt = pyplot()
+    panels = [(title, [n for n in members if n in names]) for title, members in PANELS]
+    panels += [("other runs", [n for n in names if not any(n in members for _, members in PANELS)])]
+    panels = [(t, members) for t, members in panels if members]
+    rows = (("train_loss", "train loss (bits/token)", False), ("valid_ppl", "valid PPL (log scale)", True))
+    fig, axes = plt.subplots(len(rows), len(panels), figsize=(6.5 * len(panels), 8.0), squeeze=False,
+                             sharex=True, sharey="row")
+    for col, (title, members) in enumerate(panels):
+        style = run_style(members)
+        for row, (key, ylabel, log) in enumerate(rows):
+            ax = axes[row][col]
+            for n in members:
+                curves = [r["curves"][key] for r in by_name[n] if r["curves"].get(key)]
+                if not curves:
+                    continue
+                u, mean, lo, hi = seed_band(curves)
+                ax.plot(u, mean, label=n, markevery=max(1, len(u) // 8), markersize=4, **style[n])
+                if len(curves) > 1:
+                    ax.fill_between(u, lo, hi, color=style[n]["color"], alpha=0.15, linewidth=0)
+            if log:
+                ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+            ax.set_ylabel(ylabel)
+            if row == 0:
+                ax.set_title(title)
+            if row == len(rows) - 1:
+                ax.set_xlabel("update")
+        handles, labels = axes[0][col].get_legend_handles_labels()
+        if handles:
+            axes[-1][col].legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3,
+                                 fontsize="small")
+    fig.suptitle("learning curves (mean over seeds; band: min-max)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def figure_group_ppl(summary, names, path):
+    """Test PPL per frequency group, the paper's grouping and the demo's side by side, with error
+    bars of half the seed range."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(max(12.0, 1.4 * len(names)), 4.8), sharey=True)
+    width = 0.27
+    colours = dict(zip(GROUPS, (OKABE_ITO[5], OKABE_ITO[1], OKABE_ITO[4])))
+    hatches = dict(zip(GROUPS, ("", "//", "..")))
+    for ax, (prefix, title) in zip(axes, (("test_ppl_", "the AGG paper's groups (13,000 / 23,000 / 8,256 of 44,256)"),
+                                          ("test_ppl_demo_", "the demo's groups (30 / 50 / 20 %)"))):
+        for k, g in enumerate(GROUPS):
+            s = [summary[n].get(f"{prefix}{g}") or {"mean": None, "spread": None} for n in names]
+            ax.bar([i + (k - 1) * width for i in range(len(names))], [x["mean"] or 0 for x in s], width,
+                   yerr=[x["spread"] or 0 for x in s], capsize=3, label=g, color=colours[g], hatch=hatches[g],
+                   edgecolor="black", linewidth=0.4)
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(names)), names, rotation=35, ha="right")
+        ax.set_title(title, fontsize="medium")
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].set_ylabel("test perplexity (log scale)")
+    axes[1].legend(title="group", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle("test perplexity per frequency group (mean ± half range over seeds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def figure_rare_set(by_name, names, path) -> Optional[str]:
+    """The size of AGG's rare set over training (the logged agg_rare; agg_frozen when freezing)."""
+    shown = [n for n in names if any(r["metrics"].get("agg_rare_curve") for r in by_name[n])]
+    if not shown:
+        return None
+    plt = pyplot()
+    style = run_style(shown)
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for n in shown:
+        u, mean, lo, hi = seed_band([r["metrics"]["agg_rare_curve"] for r in by_name[n]
+                                     if r["metrics"].get("agg_rare_curve")])
+        ax.plot(u, mean, label=n, markevery=max(1, len(u) // 8), markersize=4, **style[n])
+        if len(by_name[n]) > 1:
+            ax.fill_between(u, lo, hi, color=style[n]["color"], alpha=0.15, linewidth=0)
+    ax.set_xlabel("update")
+    ax.set_ylabel("tokens in AGG's rare set")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    ax.set_title("AGG's rare set over training (mean over seeds; band: min-max)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def extend(summary, names, by_name, results, planned, jobs, data_report, out_dir):
+    """(lines for table.md, {figure name: path}, extra results.json entries) of the tail part."""
+    found = claims(summary)
+    lines = claims_table(found) + convergence_section(names, by_name) + timing_section(results, planned, jobs)
+    lines += data_section(data_report)
+    figures = {"curves": figure_curves(by_name, names, os.path.join(out_dir, "learning_curves.png")),
+               "group_ppl": figure_group_ppl(summary, names, os.path.join(out_dir, "group_ppl.png"))}
+    rare = figure_rare_set(by_name, names, os.path.join(out_dir, "agg_rare.png"))
+    if rare:
+        figures["agg_rare"] = rare
+    extra: Dict[str, object] = {"claims": found, "data": data_report,
+                                "agg_window": {r["run_id"]: r["metrics"].get("agg_window") for r in results}}
+    return lines, figures, extra

@@ -1,0 +1,137 @@
+"""AGG (Yu et al., ACL 2022, §4) and rare-token freezing (its §3, Table 1) as objects for any
+training loop; the fairseq criterion ``cross_entropy_agg`` is a thin user of the same objects.
+
+:class:`AggLoss` owns the counting window of the last K optimizer updates and turns it into the
+gates of every training micro-batch (docs/agg.md (A1)-(A5)); the gated gradient itself is formed
+by the fused output layer (:func:`fairseq_agg.ops.fused_linear_loss.fused_linear_loss`, (A6)).
+:class:`RareFreezing` zeroes the output-embedding rows of the rare tokens instead
+(docs/baselines.md, "Rare-token freezing").
+"""
+from dataclasses import replace
+from typing import Optional
+
+import torch
+
+from fairseq_agg.errors import UsageError
+
+from .agg_gates import (
+    G1_MODES, PAPER_TOKENS_PER_UPDATE, THRESHOLD_MODES, TokenGates, agg_gates, check_alpha, frozen_rare_rows,
+)
+from .checks import check_choice, check_integer
+from .counting import CountsPerUpdate, RareTokenWindow
+from .fused_linear_loss import LossRequest, LossResult, fused_linear_loss
+
+
+class AggLoss(CountsPerUpdate):
+    """Adaptive gradient gating of rare-token output embeddings.
+
+    Args:
+        vocab_size: V, the rows of the output projection.
+        alpha: rare-token threshold (``--agg-alpha``): in (0, 1] with ``g1_mode="code"``, > 0 with
+            ``"normalized"``.
+        window: K, the optimizer updates counted (``--agg-window``); ``None``: set it later with
+            :meth:`set_window` (fairseq sets one epoch of updates once the epoch's length is known).
+        nspecial: the first ``nspecial`` ids are never rare (fairseq: bos, pad, eos, unk).
+        g1_mode: ``"code"`` (g1 = a_k, the released code) or ``"normalized"`` (a_k / alpha).
+        threshold_mode: ``"relative"`` (a_k = count per ``ref_tokens`` target tokens of the window,
+            batch-size invariant) or ``"per-update"`` (mean count per update, the released code).
+        ref_tokens: B_ref of the relative mode; ``None`` = 32,768, the paper's LM recipe. Refused
+            in per-update mode, where it means nothing.
+        all_reduce: sum the histograms over the data-parallel ranks of ``process_group`` (a no-op
+            without torch.distributed); off = each rank counts its own targets.
+
+    Counting is explicit: :meth:`start_update` with the number of optimizer updates completed so
+    far (every micro-batch of an update passes the same number), then :meth:`count` per
+    micro-batch; :meth:`step` does both and returns the gates. Validation never counts.
+    """
+
+    def __init__(self, vocab_size: int, *, alpha: float = 0.03, window: Optional[int] = None, nspecial: int = 4,
+                 g1_mode: str = "code", threshold_mode: str = "relative", ref_tokens: Optional[int] = None,
+                 all_reduce: bool = True, process_group=None):
+        self.vocab_size = check_integer("vocab_size", vocab_size, 2)
+        self.nspecial = check_integer("nspecial", nspecial, 0, self.vocab_size)
+        self.g1_mode = check_choice("agg_g1_mode", g1_mode, G1_MODES)
+        self.alpha = check_alpha(alpha, self.g1_mode)
+        self.threshold_mode = check_choice("agg_threshold_mode", threshold_mode, THRESHOLD_MODES)
+        if self.threshold_mode == "per-update" and ref_tokens is not None:
+            raise UsageError("--agg-ref-tokens needs --agg-threshold-mode relative (or auto): per-update counting "
+                             "has no reference batch")
+        if self.threshold_mode == "relative":
+            default = PAPER_TOKENS_PER_UPDATE["language_modeling"]
+            ref_tokens = check_integer("agg_ref_tokens", default if ref_tokens is None else ref_tokens, 1)
+        self.ref_tokens = ref_tokens
+        self.window = self.counts = RareTokenWindow(self.vocab_size, window, flag="agg_window")
+        self.window_flag = "--agg-window"
+        self.all_reduce = bool(all_reduce)
+        self.process_group = process_group
+
+    def gates(self, device=None) -> TokenGates:
+        """The gates from the window as it is now (docs/agg.md (A2)-(A4))."""
+        gates = agg_gates(
+            self.window.counts, self.window.recorded, self.alpha, self.nspecial, g1_mode=self.g1_mode,
+            threshold_mode=self.threshold_mode, ref_tokens=self.ref_tokens or 0,
+        )
+        return gates if device is None else gates.to(device)
+
+    def step(self, target: torch.Tensor, update_num: int) -> TokenGates:
+        """One training micro-batch: opens its update, counts its targets, returns its gates."""
+        self.start_update(update_num)
+        self.count(target)
+        return self.gates(target.device)
+
+    def __call__(self, hidden, weight, target, update_num: Optional[int] = None,
+                 request: Optional[LossRequest] = None) -> LossResult:
+        """The fused loss with AGG's gates; with ``update_num`` (training) the targets are counted
+        first, without it (validation) nothing is counted or gated. ``request`` adds other terms."""
+        request = LossRequest() if request is None else request
+        if update_num is not None:
+            request = replace(request, gates=self.step(target, update_num))
+        return fused_linear_loss(hidden, weight, target, request)
+
+    def describe(self) -> str:
+        """What ``alpha`` means with these settings, in one line."""
+        size = self.window.window
+        if self.threshold_mode == "relative":
+            return (f"a token is rare below {self.alpha:g} occurrences per {self.ref_tokens} target tokens "
+                    f"(relative frequency < {self.alpha / self.ref_tokens:.3g}, whatever the tokens per update); "
+                    f"{size} updates per window")
+        return (f"a token is rare below {self.alpha:g} occurrences per optimizer update (--agg-threshold-mode "
+                f"per-update: the threshold scales with the tokens per update); {size} updates per window")
+
+
+
+FREEZE_SETS = ("window", "group")
+
+
+class RareFreezing:
+    """Rare-token freezing: the output-embedding rows of the rare tokens get no gradient at all.
+
+    Args:
+        vocab_size: V.
+        rare_set: ``"window"`` = AGG's rare group of the micro-batch (its gates' ``rare``), or
+            ``"group"`` = the fixed ids ``group`` (e.g. the bottom 20 % of the dictionary).
+        until_update: freeze during the first N updates only; 0 = the whole run.
+    """
+
+    def __init__(self, vocab_size: int, *, rare_set: str = "window", group: Optional[torch.Tensor] = None,
+                 until_update: int = 0):
+        self.vocab_size = check_integer("vocab_size", vocab_size, 1)
+        self.rare_set = check_choice("agg_freeze_set", rare_set, FREEZE_SETS)
+        self.until_update = check_integer("agg_freeze_until_update", until_update, 0)
+        if (self.rare_set == "group") != (group is not None):
+            raise UsageError("--agg-freeze-set group needs the group's ids, and only it takes them")
+        self.group = None if group is None else torch.as_tensor(group, dtype=torch.long)
+
+    def active(self, update_num: int) -> bool:
+        return self.until_update == 0 or update_num < self.until_update
+
+    def rows(self, update_num: int, gates: Optional[TokenGates] = None, device=None) -> Optional[torch.Tensor]:
+        """The (V,) bool mask for ``LossRequest.frozen_rows`` in this update, None once freezing ended.
+        ``gates`` (AGG's, of this micro-batch) give the ``window`` set."""
+        if not self.active(update_num):
+            return None
+        if self.rare_set == "window":
+            if gates is None:
+                raise ValueError("--agg-freeze-set window freezes AGG's rare group: pass this micro-batch's gates")
+            return frozen_rare_rows(self.vocab_size, gates=gates, device=device)
+        return frozen_rare_rows(self.vocab_size, group=self.group, device=device)

@@ -1,0 +1,99 @@
+"""``--optimizer coupled_adam``: fairseq's ``adam`` with Coupled Adam's shared second moment on the
+token-embedding matrices (Stollenwerk & Stollenwerk, ACL 2025; docs/coupled_adam.md).
+
+Same flags and defaults as ``adam`` (``--adam-betas``, ``--adam-eps``, ``--weight-decay``, the
+learning rate and its schedulers; the update of every other parameter is adam's, bit for bit),
+and the same ``--fp16`` / ``--memory-efficient-fp16`` / ``--amp`` support, plus
+``--coupled-adam-matrices`` and ``--coupled-adam-scale``. fairseq builds an optimizer from a bare
+parameter list; which of those tensors are the embedding matrices is read from the model that
+fairseq's Trainer is building the optimizer for (``fairseq_hooks.locate_model_parameters``), and
+which tensors of the model are embedding matrices is the statistics' own rule
+(``fairseq_agg.stats.matrices``): ``encoder.embed_tokens``, ``decoder.embed_tokens``,
+``decoder.output_projection``, tied ones counted once.
+"""
+import logging
+from dataclasses import dataclass, field
+
+from fairseq_agg import require_fairseq
+
+require_fairseq()  # without fairseq: one line saying what to install
+
+from fairseq.dataclass import ChoiceEnum
+from fairseq.optim import FairseqOptimizer, register_optimizer
+from fairseq.optim.adam import FairseqAdam, FairseqAdamConfig
+
+from ..errors import UsageError, check_number
+from ..fairseq_hooks import locate_model_parameters
+from ..stats.matrices import MATRIX_CHOICES, embedding_matrices
+from .coupled_adam import CoupledAdam, CoupledBlock
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CoupledAdamConfig(FairseqAdamConfig):
+    # adam's two implementation switches, kept so that adam's command lines carry over
+    use_old_adam: bool = field(
+        default=False, metadata={"help": "no effect: coupled_adam always runs its own torch implementation"}
+    )
+    fp16_adam_stats: bool = field(
+        default=False, metadata={"help": "refused: fp16 statistics need fairseq's FusedAdam, which coupled_adam "
+                                 "does not use"}
+    )
+    coupled_adam_matrices: ChoiceEnum(list(MATRIX_CHOICES)) = field(
+        default="all",
+        metadata={"help": "the embedding matrices whose second moment is averaged over the vocabulary: "
+                  "input (encoder/decoder embed_tokens), output (the output projection) or all; a tied "
+                  "matrix is one matrix, coupled when either of its roles is chosen"},
+    )
+    coupled_adam_scale: float = field(
+        default=1.0,
+        metadata={"help": "s: the coupled second moment is s times its mean over the rows (> 0; "
+                  "avg_scale of the authors' code, default 1)"},
+    )
+
+
+@register_optimizer("coupled_adam", dataclass=CoupledAdamConfig)
+class FairseqCoupledAdam(FairseqAdam):
+    """Coupled Adam for fairseq: :class:`FairseqAdam`'s flags, learning-rate handling and BMUF
+    averaging, with :class:`~fairseq_agg.optim.coupled_adam.CoupledAdam` as the torch optimizer
+    (never fairseq's FusedAdam: the coupling needs the second moment before the division)."""
+
+    def __init__(self, cfg: CoupledAdamConfig, params):
+        FairseqOptimizer.__init__(self, cfg)  # not FairseqAdam's, which builds its own torch optimizer
+        scale = check_number("coupled_adam_scale", cfg.coupled_adam_scale, 0, None, low_open=True)
+        which = str(getattr(cfg.coupled_adam_matrices, "value", cfg.coupled_adam_matrices))
+        if which not in MATRIX_CHOICES:
+            raise UsageError(f"--coupled-adam-matrices must be one of {', '.join(MATRIX_CHOICES)}, got {which!r}")
+        if cfg.fp16_adam_stats:
+            raise UsageError("--fp16-adam-stats needs fairseq's FusedAdam; --optimizer coupled_adam keeps "
+                             "fp32 statistics (drop the flag)")
+        params = list(params)
+        self._optimizer = CoupledAdam(params, coupled=coupled_matrices(params, which, scale),
+                                      coupling_scale=scale, **self.optimizer_config)
+
+
+def coupled_matrices(params, which, scale):
+    """[(optimizer tensor, CoupledBlock)] of the model's ``which`` embedding matrices among
+    ``params``; refuses set-ups where there are none or where they cannot be found."""
+    model, located = locate_model_parameters(params)
+    if model is None:
+        raise UsageError("--optimizer coupled_adam must be built by fairseq's Trainer (fairseq-train): it reads "
+                         "the embedding matrices from the model being trained")
+    matrices = [m for m in embedding_matrices(model, which) if m.weight.requires_grad]
+    if not matrices:
+        raise UsageError(f"--coupled-adam-matrices {which}: the model has no such trainable matrix (input: "
+                         "encoder/decoder embed_tokens, output: decoder.output_projection; adaptive input and "
+                         "adaptive softmax have none), so --optimizer coupled_adam has nothing to couple")
+    coupled = []
+    for matrix in matrices:
+        if matrix.weight not in located:
+            raise UsageError("--optimizer coupled_adam cannot find the embedding matrices among the optimized "
+                             "tensors in this set-up (fully_sharded or pipeline parallelism); use --optimizer adam")
+        tensor, offset = located[matrix.weight]
+        rows, cols = matrix.weight.shape
+        coupled.append((tensor, CoupledBlock(offset, rows, cols)))
+        names = " = ".join([matrix.param] + matrix.tied)
+        logger.info(f"coupled_adam: the {rows} rows of {names} ({rows} x {cols}) share one second moment "
+                    f"per dimension, scale {scale:g}")
+    return coupled

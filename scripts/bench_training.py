@@ -1,0 +1,230 @@
+#!/usr/bin/env python
+"""Whole training steps: real ``fairseq-train`` processes, stock ``cross_entropy`` against each
+method of this package, with the embedding statistics off and on.
+
+Shapes (``--shape``):
+
+  demo   the demo LM of examples/demo/run.py (its MODEL["default"] and BUDGET["default"] batches):
+         transformer_lm_gpt, 3 layers, d 96, FFN 384, 4 heads, pre-LN, tied embeddings, 128 tokens
+         per sample, 1,024 tokens per update, Adam; V = 4,000 (the demo's sentencepiece vocabulary)
+  words  the same model at d 128 (FFN 512) over a word-level vocabulary of 18,000 types
+
+Data: a fairseq data-bin of i.i.d. Zipf(1.1) tokens written on the spot (gpu_check.py's
+``write_synthetic_lm_bin``: a dictionary of exactly V types in frequency order, as
+fairseq-preprocess writes one); enough for one epoch of ``--updates``, validation off.
+
+Configurations (``--methods``): stock ``cross_entropy`` (fairseq's own) and ``agg``
+(cross_entropy_agg, alpha 0.03 as in the demo), ``al`` (augmented_loss), ``freeze``
+(cross_entropy_agg --agg-freeze-rare), ``cosreg``, ``face``, ``ul`` (the criteria of
+docs/baselines.md) and ``coupled_adam`` (stock CE, --optimizer coupled_adam), all with the
+statistics off; each method of ``--stats-methods`` also runs with ``--embed-stats-interval``
+(default 100, isotropy every 10x that; stock CE's statistics through cross_entropy_with_stats).
+
+Measured per run, in the training process (gpu_check.py's ``--train-worker``): updates per second,
+from the time at which every ``Trainer.train_step`` returned, over the updates after the first
+``--warmup-fraction`` (so start-up, data loading and the first steps' allocations are left out and
+everything between two updates, logging and statistics included, is in); and the process's peak
+RSS. Every round runs every configuration once, the order rotated from round to round, and each
+ratio is the median over rounds of the ratio within a round (same machine load).
+
+Goals (printed PASS/MISS): every method >= 0.97x stock CE's updates/s; the statistics at the
+default interval cost <= 2 % (a method with them >= 0.98x the same method without).
+
+Usage: python scripts/bench_training.py [--shape demo,words] [--methods stock,agg,...] [--updates 300]
+       [--repeats 3] [--stats-methods stock] [--stats-interval 100] [--threads 2] [--json FILE]
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+from gpu_check import train_log_records, write_synthetic_lm_bin
+
+GPU_CHECK_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_check.py")
+
+MODEL = {  # arch flags; examples/demo/run.py's MODEL["default"], and the same at d 128
+    "demo": ["--decoder-layers", "3", "--decoder-embed-dim", "96", "--decoder-ffn-embed-dim", "384",
+             "--decoder-attention-heads", "4"],
+    "words": ["--decoder-layers", "3", "--decoder-embed-dim", "128", "--decoder-ffn-embed-dim", "512",
+              "--decoder-attention-heads", "4"],
+}
+VOCAB = {"demo": 4000, "words": 18000}
+TOKENS_PER_SAMPLE, MAX_TOKENS = 128, 1024  # examples/demo/run.py's BUDGET["default"]
+
+# examples/demo/run.py's COMMON_TRAIN, less its logging and checkpoint flags (see train_flags)
+COMMON = [
+    "--task", "language_modeling", "--arch", "transformer_lm_gpt", "--sample-break-mode", "none",
+    "--share-decoder-input-output-embed", "--decoder-normalize-before", "--dropout", "0.1",
+    "--attention-dropout", "0.1", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.01",
+    "--clip-norm", "0.0", "--lr", "0.002", "--lr-scheduler", "inverse_sqrt", "--warmup-init-lr", "1e-07",
+    "--required-batch-size-multiple", "1", "--num-workers", "0", "--seed", "1",
+]
+
+METHODS = {  # name -> criterion (and optimizer) flags; the demo's settings (examples/demo/run.py)
+    "stock": ["--criterion", "cross_entropy"],
+    "agg": ["--criterion", "cross_entropy_agg", "--agg-alpha", "0.03"],
+    "al": ["--criterion", "augmented_loss"],
+    "freeze": ["--criterion", "cross_entropy_agg", "--agg-freeze-rare", "--agg-alpha", "0.03"],
+    "cosreg": ["--criterion", "cross_entropy_cosreg"],
+    "face": ["--criterion", "cross_entropy_face"],
+    "ul": ["--criterion", "cross_entropy_unlikelihood"],
+    "coupled_adam": ["--criterion", "cross_entropy", "--optimizer", "coupled_adam"],  # the last --optimizer wins
+}
+STATS = "+stats"
+METHOD_GOAL = 0.97  # updates/s of a method / stock CE's
+STATS_GOAL = 0.98  # updates/s with the statistics / without
+
+
+def with_statistics(flags, interval):
+    """A method's flags with the statistics on; fairseq's own cross_entropy has none, its
+    plugin twin cross_entropy_with_stats computes them."""
+    flags = ["cross_entropy_with_stats" if f == "cross_entropy" else f for f in flags]
+    return flags + ["--embed-stats-interval", str(interval)]
+
+
+def configurations(args):
+    """(name, flags) of every run of a round: the methods, then those with statistics."""
+    configs = [(m, METHODS[m]) for m in args.methods]
+    configs += [(m + STATS, with_statistics(METHODS[m], args.stats_interval)) for m in args.stats_methods]
+    return configs
+
+
+def train_flags(args, shape, data, save_dir):
+    flags = [data, *COMMON, *MODEL[shape], "--tokens-per-sample", str(TOKENS_PER_SAMPLE),
+             "--max-tokens", str(MAX_TOKENS), "--warmup-updates", str(max(1, args.updates // 4)),
+             "--max-update", str(args.updates), "--log-format", "json", "--log-interval", str(args.log_interval),
+             "--disable-validation", "--no-save", "--save-dir", save_dir]
+    if args.device == "cpu":
+        flags.append("--cpu")
+    return flags
+
+
+def updates_per_second(update_ends, warmup_fraction):
+    """Updates per second between the end of the first update after the warm-up and the last."""
+    first = min(len(update_ends) - 2, int(len(update_ends) * warmup_fraction))
+    if first < 0:
+        return None
+    return (len(update_ends) - 1 - first) / (update_ends[-1] - update_ends[first])
+
+
+def run_once(args, shape, data, workdir, name, flags):
+    """One fairseq-train process; its updates/s, peak RSS, update count and last logged loss."""
+    result_path = os.path.join(workdir, "worker.json")
+    if os.path.exists(result_path):
+        os.remove(result_path)
+    cmd = [sys.executable, GPU_CHECK_PY, "--train-worker", result_path, "--",
+           *train_flags(args, shape, data, os.path.join(workdir, "ckpt")), *flags]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(args.threads))
+    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True)
+    if proc.returncode != 0 or not os.path.exists(result_path):
+        sys.exit(f"fairseq-train failed for {shape} {name}:\n{(proc.stdout + proc.stderr)[-5000:]}")
+    with open(result_path) as f:
+        worker = json.load(f)
+    records = train_log_records(proc.stdout + proc.stderr)
+    return {"ups": updates_per_second(worker["update_ends_s"], args.warmup_fraction),
+            "updates": len(worker["update_ends_s"]), "wall_s": worker["wall_s"],
+            "peak_rss_mib": worker["max_rss_mib"], "loss_last": float(records[-1]["loss"]) if records else None}
+
+
+def bench_shape(args, shape, log):
+    """Every configuration ``--repeats`` times at one shape, interleaved."""
+    configs = configurations(args)
+    runs = {name: [] for name, _ in configs}
+    with tempfile.TemporaryDirectory(prefix="bench_training_") as workdir:
+        train_tokens = int(args.updates * MAX_TOKENS * 1.05) + 10 * TOKENS_PER_SAMPLE
+        data = write_synthetic_lm_bin(os.path.join(workdir, "data-bin"), VOCAB[shape], train_tokens,
+                                      4 * TOKENS_PER_SAMPLE)
+        for r in range(args.repeats):
+            order = configs[r % len(configs):] + configs[: r % len(configs)]
+            for name, flags in order:
+                run = run_once(args, shape, data, workdir, name, flags)
+                runs[name].append(run)
+                log(f"  {shape} round {r + 1}/{args.repeats} {name:<20s} {run['ups']:8.2f} updates/s, "
+                    f"peak RSS {run['peak_rss_mib']:7.0f} MiB, {run['wall_s']:6.1f} s, last loss {run['loss_last']}")
+    return runs
+
+
+def paired_ratio(runs, a, b):
+    """Median over rounds of a's updates/s over b's in the same round."""
+    return statistics.median(x["ups"] / y["ups"] for x, y in zip(runs[a], runs[b]))
+
+
+def report(args, shape, runs):
+    """The table of one shape: updates/s, peak RSS, the ratios and the goals."""
+    head = (f"{'configuration':<20s} {'updates/s':>10s} {'min':>8s} {'max':>8s} {'RSS MiB':>8s} {'/ stock':>8s} "
+            f"{'/ no stats':>10s}   goal")
+    lines = [f"== {shape}: V = {VOCAB[shape]:,}, {' '.join(MODEL[shape])}, {args.updates} updates of {MAX_TOKENS} "
+             f"tokens, {args.repeats} rounds, {args.threads} threads, {args.device} ==", head, "-" * len(head)]
+    for name, rs in runs.items():
+        ups = [r["ups"] for r in rs]
+        method = name[: -len(STATS)] if name.endswith(STATS) else None
+        vs_stock = paired_ratio(runs, name, "stock") if "stock" in runs and name != "stock" else None
+        vs_plain = paired_ratio(runs, name, method) if method in runs else None
+        goal = ""
+        if method is not None and vs_plain is not None:
+            goal = f">= {STATS_GOAL:.2f}x without statistics: {'PASS' if vs_plain >= STATS_GOAL else 'MISS'}"
+        elif vs_stock is not None:
+            goal = f">= {METHOD_GOAL:.2f}x stock: {'PASS' if vs_stock >= METHOD_GOAL else 'MISS'}"
+        lines.append(
+            f"{name:<20s} {statistics.median(ups):10.3f} {min(ups):8.3f} {max(ups):8.3f} "
+            f"{statistics.median(r['peak_rss_mib'] for r in rs):8.0f} "
+            f"{'' if vs_stock is None else f'{vs_stock:.3f}x':>8s} {'' if vs_plain is None else f'{vs_plain:.3f}x':>10s}"
+            f"   {goal}")
+    return lines
+
+
+def names(text, allowed, what):
+    chosen = [n.strip() for n in text.split(",") if n.strip()]
+    if chosen == ["all"]:
+        return list(allowed)
+    unknown = [n for n in chosen if n not in allowed]
+    if unknown:
+        sys.exit(f"{what}: unknown {', '.join(unknown)}; choose from {', '.join(allowed)} (or all)")
+    return chosen
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="demo,words", help="comma-separated: demo, words (default both)")
+    ap.add_argument("--methods", default="all", help=f"comma-separated subset of {','.join(METHODS)} (stock is "
+                    "always run: the baseline)")
+    ap.add_argument("--stats-methods", default="stock", help="methods also run with the statistics on "
+                    "(comma-separated, all, or none; default stock)")
+    ap.add_argument("--stats-interval", type=int, default=100, help="--embed-stats-interval of those runs")
+    ap.add_argument("--updates", type=int, default=300, help="updates per run (default 300, the demo's)")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds; every configuration once per round")
+    ap.add_argument("--warmup-fraction", type=float, default=0.2, help="leading share of updates left out")
+    ap.add_argument("--log-interval", type=int, default=25)
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--json", default=None, help="also write every run's measurements to this file")
+    ap.add_argument("--quiet", action="store_true", help="no per-run progress lines")
+    args = ap.parse_args(argv)
+    args.shapes = names(args.shape, list(MODEL), "--shape")
+    args.methods = ["stock"] + [m for m in names(args.methods, list(METHODS), "--methods") if m != "stock"]
+    args.stats_methods = [] if args.stats_methods == "none" else names(args.stats_methods, list(METHODS),
+                                                                         "--stats-methods")
+    if args.updates < 5 or args.repeats < 1 or not 0 <= args.warmup_fraction < 1:
+        sys.exit("--updates must be >= 5, --repeats >= 1 and --warmup-fraction in [0, 1)")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    log = (lambda *_: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    results = {}
+    for shape in args.shapes:
+        results[shape] = bench_shape(args, shape, log)
+        print("\n".join(report(args, shape, results[shape])) + "\n", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "torch": torch.__version__, "runs": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

