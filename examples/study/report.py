@@ -9,7 +9,7 @@ import os
 import time
 
 from examples.demo.wordsim import DATASETS
-from examples.demo_common import fmt, markdown_table, mean_spread, seed_band, write_json
+from examples.demo_common import fmt, markdown_table, mean_spread, save_study_figure, seed_band, write_json
 from examples.study import tail_report
 from examples.study.metrics import compare_to_baseline, convergence, count_spikes, group_shares
 from fairseq_agg.stats.plots import pyplot
@@ -190,10 +190,7 @@ def figure_curves(by_name, names, path, panels):
     if handles:
         fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
     fig.suptitle("learning curves (mean over seeds; band: min-max)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_study_figure(fig, path)
 
 
 def figure_group_ppl(summary, names, path):
@@ -209,10 +206,7 @@ def figure_group_ppl(summary, names, path):
     ax.set_ylabel("test perplexity (log scale)")
     ax.set_title("test perplexity per frequency group (mean ± half range over seeds)")
     ax.legend(title="group", loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_study_figure(fig, path)
 
 
 def figure_frontier(summary, names, groups, path):
@@ -243,10 +237,7 @@ def figure_frontier(summary, names, groups, path):
     axes[0].set_ylabel("test perplexity")
     axes[1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.suptitle("perplexity vs isotropy of the output embedding (mean ± half range over seeds)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_study_figure(fig, path)
 
 
 def figure_depth(summary, names, groups, path):
@@ -270,10 +261,7 @@ def figure_depth(summary, names, groups, path):
         ax.grid(alpha=0.3)
     axes[-1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.suptitle("by depth (mean ± half range over seeds)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_study_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------- the report

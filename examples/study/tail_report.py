@@ -16,7 +16,7 @@ import os
 from typing import Dict, List, Optional
 
 from examples.demo.wordsim import DATASETS
-from examples.demo_common import markdown_table, seed_band
+from examples.demo_common import markdown_table, save_study_figure, seed_band
 from examples.study.metrics import compare_to_baseline, convergence
 from fairseq_agg.stats.plots import pyplot
 
@@ -259,10 +259,7 @@ def figure_curves(by_name, names, path):
             axes[-1][col].legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3,
                                  fontsize="small")
     fig.suptitle("learning curves (mean over seeds; band: min-max)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_study_figure(fig, path)
 
 
 def figure_group_ppl(summary, names, path):
@@ -287,10 +284,7 @@ def figure_group_ppl(summary, names, path):
     axes[0].set_ylabel("test perplexity (log scale)")
     axes[1].legend(title="group", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.suptitle("test perplexity per frequency group (mean ± half range over seeds)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_study_figure(fig, path)
 
 
 def figure_rare_set(by_name, names, path) -> Optional[str]:
@@ -313,10 +307,7 @@ def figure_rare_set(by_name, names, path) -> Optional[str]:
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     ax.set_title("AGG's rare set over training (mean over seeds; band: min-max)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_study_figure(fig, path)
 
 
 def extend(summary, names, by_name, results, planned, jobs, data_report, out_dir):
