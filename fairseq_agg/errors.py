@@ -36,6 +36,12 @@ def flag_name(name: str) -> str:
     return name if name.startswith("-") else "--" + name.replace("_", "-")
 
 
+def plain_value(value):
+    """A flag's value as the user wrote it: fairseq's ChoiceEnum members as their string value,
+    anything else as it is."""
+    return getattr(value, "value", value)
+
+
 def check_number(name, value, low=None, high=None, low_open=False, high_open=False, integer=False):
     """Refuses nan, inf (unless a bound is infinite) and values outside [low, high].
 

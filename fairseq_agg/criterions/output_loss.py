@@ -25,7 +25,7 @@ from fairseq import metrics, utils
 from fairseq.criterions import FairseqCriterion
 from omegaconf import II
 
-from fairseq_agg.errors import UsageError, check_number, flag_name
+from fairseq_agg.errors import UsageError, check_number, flag_name, plain_value
 from fairseq_agg.fairseq_hooks import (
     TrainingLoop, anchor_criterion_state, anchored, holds_criterion_state, updates_per_epoch,
 )
@@ -72,7 +72,7 @@ def refuse_without(cfg, config_class, names, switch_on: bool, switch: str):
         return
     for name in names:
         value = getattr(cfg, name)
-        if str(getattr(value, "value", value)) != str(flag_default(config_class, name)):
+        if str(plain_value(value)) != str(flag_default(config_class, name)):
             raise UsageError(f"{flag_name(name)} needs {switch}")
 
 

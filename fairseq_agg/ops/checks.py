@@ -6,7 +6,7 @@ through :func:`fairseq_agg.errors.check_number` (nan and inf refused).
 """
 import numbers
 
-from fairseq_agg.errors import UsageError, check_number, flag_name
+from fairseq_agg.errors import UsageError, check_number, flag_name, plain_value
 
 
 def check_integer(name, value, low=None, high=None):
@@ -17,7 +17,7 @@ def check_integer(name, value, low=None, high=None):
 
 def check_choice(name, value, choices):
     """One of ``choices`` (fairseq's ChoiceEnum members are compared by their value)."""
-    value = str(getattr(value, "value", value))
+    value = str(plain_value(value))
     if value not in choices:
         raise UsageError(f"{flag_name(name)} must be one of {', '.join(choices)}, got {value!r}")
     return value

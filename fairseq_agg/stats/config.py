@@ -10,7 +10,7 @@ from typing import Optional
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
-from fairseq_agg.errors import UsageError, check_number, flag_name
+from fairseq_agg.errors import UsageError, check_number, flag_name, plain_value
 
 from . import groups as G
 from .matrices import MATRIX_CHOICES
@@ -94,13 +94,8 @@ TEV_ONLY_FLAGS = ("tev_exclude_special", "tev_exclude_unseen", "tev_effective", 
 GROUP_DEFINITION_FLAGS = ("embed_group_fractions", "embed_group_preset")
 
 
-def _value(value):
-    """A ChoiceEnum member as its string; anything else as it is."""
-    return getattr(value, "value", value)
-
-
 def _choice(value, name, choices):
-    value = None if value is None else str(_value(value))
+    value = None if value is None else str(plain_value(value))
     if value is not None and value not in choices:
         raise UsageError(f"{flag_name(name)} must be one of {', '.join(choices)}, got {value!r}")
     return value
@@ -116,7 +111,7 @@ def _interval(value, name):
 
 
 def _freezes_a_static_group(cfg) -> bool:
-    return bool(getattr(cfg, "agg_freeze_rare", False)) and str(_value(getattr(cfg, "agg_freeze_set", ""))) == "group"
+    return bool(getattr(cfg, "agg_freeze_rare", False)) and str(plain_value(getattr(cfg, "agg_freeze_set", ""))) == "group"
 
 
 class EmbeddingStatsSettings:
@@ -174,14 +169,14 @@ class EmbeddingStatsSettings:
         for name in names:
             value = values[name]
             if self._given(name, value):
-                shown = flag_name(name) if isinstance(value, bool) else f"{flag_name(name)} {_value(value)}"
+                shown = flag_name(name) if isinstance(value, bool) else f"{flag_name(name)} {plain_value(value)}"
                 raise UsageError(f"{shown} has no effect {why}: give --embed-stats-interval N > 0 too, or leave it out")
 
     def _given(self, name, value) -> bool:
         """Whether a flag differs from its default, i.e. the user gave it."""
         if name == "embed_group_fractions":
             return self.fractions != DEFAULT_FRACTIONS  # "0.3, 0.5, 0.2" is the default too
-        return _value(value) != _value(FLAG_DEFAULTS[name])
+        return plain_value(value) != plain_value(FLAG_DEFAULTS[name])
 
     @property
     def enabled(self) -> bool:
