@@ -28,7 +28,10 @@ RSS. Every round runs every configuration once, the order rotated from round to 
 ratio is the median over rounds of the ratio within a round (same machine load).
 
 Goals (printed PASS/MISS): every method >= 0.97x stock CE's updates/s; the statistics at the
-default interval cost <= 2 % (a method with them >= 0.98x the same method without).
+default interval cost <= 2 % of a run's time. The second is judged within each run with the
+statistics (``in_run_share``: how much longer its measuring updates take than its median update);
+the paired ratio to the same method without them is printed beside it, but two processes on this
+VM differ by a few per cent on their own, which hides a cost of 0.1-0.2 %.
 
 Usage: python scripts/bench_training.py [--shape demo,words] [--methods stock,agg,...] [--updates 300]
        [--repeats 3] [--stats-methods stock] [--stats-interval 100] [--threads 2] [--json FILE]
@@ -77,7 +80,7 @@ METHODS = {  # name -> criterion (and optimizer) flags; the demo's settings (exa
 }
 STATS = "+stats"
 METHOD_GOAL = 0.97  # updates/s of a method / stock CE's
-STATS_GOAL = 0.98  # updates/s with the statistics / without
+STATS_GOAL = 0.98  # 1 - the statistics' largest share of a run's time
 
 
 def with_statistics(flags, interval):
@@ -112,6 +115,21 @@ def updates_per_second(update_ends, warmup_fraction):
     return (len(update_ends) - 1 - first) / (update_ends[-1] - update_ends[first])
 
 
+def in_run_share(update_ends, warmup_fraction, interval):
+    """The statistics' share of one run's time, read from its own update times: the time by which
+    the updates that measure (every ``interval``-th, isotropy included) exceed the run's median
+    update, over the run's time after the warm-up. Separate processes on a shared VM differ by a
+    few per cent in speed for reasons of their own, more than the 2 % goal, so the paired
+    process ratio cannot resolve it; this can. ``None`` for a run without statistics."""
+    first = int(len(update_ends) * warmup_fraction)
+    durations = {u: update_ends[u - 1] - update_ends[u - 2] for u in range(max(first, 2) + 1, len(update_ends) + 1)}
+    if not interval or not durations:
+        return None
+    median = statistics.median(durations.values())
+    excess = sum(d - median for u, d in durations.items() if u % interval == 0)
+    return excess / sum(durations.values())
+
+
 def run_once(args, shape, data, workdir, name, flags):
     """One fairseq-train process; its updates/s, peak RSS, update count and last logged loss."""
     result_path = os.path.join(workdir, "worker.json")
@@ -126,7 +144,9 @@ def run_once(args, shape, data, workdir, name, flags):
     with open(result_path) as f:
         worker = json.load(f)
     records = train_log_records(proc.stdout + proc.stderr)
+    interval = args.stats_interval if name.endswith(STATS) else 0
     return {"ups": updates_per_second(worker["update_ends_s"], args.warmup_fraction),
+            "stats_share": in_run_share(worker["update_ends_s"], args.warmup_fraction, interval),
             "updates": len(worker["update_ends_s"]), "wall_s": worker["wall_s"],
             "peak_rss_mib": worker["max_rss_mib"], "loss_last": float(records[-1]["loss"]) if records else None}
 
@@ -166,8 +186,10 @@ def report(args, shape, runs):
         vs_stock = paired_ratio(runs, name, "stock") if "stock" in runs and name != "stock" else None
         vs_plain = paired_ratio(runs, name, method) if method in runs else None
         goal = ""
-        if method is not None and vs_plain is not None:
-            goal = f">= {STATS_GOAL:.2f}x without statistics: {'PASS' if vs_plain >= STATS_GOAL else 'MISS'}"
+        if method is not None and rs and rs[0].get("stats_share") is not None:
+            share = statistics.median(r["stats_share"] for r in rs)
+            goal = (f"in-run share of the statistics {100 * share:.2f} % (<= {100 * (1 - STATS_GOAL):.0f} %: "
+                    f"{'PASS' if share <= 1 - STATS_GOAL else 'MISS'})")
         elif vs_stock is not None:
             goal = f">= {METHOD_GOAL:.2f}x stock: {'PASS' if vs_stock >= METHOD_GOAL else 'MISS'}"
         lines.append(

@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import logging
 import math
 import os
 import platform
@@ -634,6 +635,11 @@ def train_worker(result_path: str, argv):
             update_ends.append(time.perf_counter() - started)
 
     Trainer.train_step = timed_train_step
+    # fairseq_cli.train's logging.basicConfig (INFO to stdout) is a no-op when an earlier import has
+    # already given the root logger a handler (a root-level warning does), and then no train_inner
+    # record is printed: take the configuration over.
+    logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", level=logging.INFO,
+                        stream=sys.stdout, force=True)
     sys.argv = ["fairseq-train", "--user-dir", USER_DIR] + list(argv)
     started = time.perf_counter()
     try:
@@ -664,6 +670,11 @@ def train_log_records(text: str):
     return records
 
 
+def _log_tail(proc) -> str:
+    """The ends of both streams: fairseq logs to stdout, Python's warnings go to stderr."""
+    return f"--- stdout ---\n{proc.stdout[-2500:]}\n--- stderr ---\n{proc.stderr[-1500:]}"
+
+
 def run_train(plan: Plan, device, data, workdir, name, arch, extra, precision, timeout):
     save_dir = os.path.join(workdir, "ckpt")
     result_path = os.path.join(workdir, "worker.json")
@@ -681,13 +692,13 @@ def run_train(plan: Plan, device, data, workdir, name, arch, extra, precision, t
     text = proc.stdout + proc.stderr
     if proc.returncode != 0:
         run["error"] = "fairseq-train failed"
-        run["log_tail"] = text[-4000:]
+        run["log_tail"] = _log_tail(proc)
         return run
     records = [r for r in train_log_records(text) if int(float(r["num_updates"])) > 0]
     after = [r for r in records if int(float(r["num_updates"])) > plan.warmup_updates]
     if not after:
         run["error"] = f"no train_inner record after update {plan.warmup_updates}"
-        run["log_tail"] = text[-4000:]
+        run["log_tail"] = _log_tail(proc)
         return run
     run["wps"] = round(statistics.mean(float(r["wps"]) for r in after), 1)
     run["wpb"] = round(statistics.mean(float(r["wpb"]) for r in after), 1)
@@ -733,6 +744,8 @@ def part_train(plan: Plan, device: torch.device, budget: Budget):
                     expected = max(expected * 0.5, run["seconds"])
                 shown = {k: v for k, v in run.items() if k != "log_tail"}
                 log(f"[gpu_check] train {precision} {name}: {json.dumps(shown)}")
+                if "error" in run and "log_tail" in run:
+                    log(run["log_tail"][-1200:])
                 result["runs"].append(run)
     result["ratios"] = train_ratios(result["runs"])
     failed = [r for r in result["runs"] if "error" in r]

@@ -193,3 +193,23 @@ def test_without_a_gpu_the_output_says_so(tmp_path):
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     assert "no CUDA device" in data["error"] and data["parts"] == {}
     assert "Not run: no CUDA device" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_training_records_survive_a_root_logger_configured_before_fairseq(tmp_path):
+    """On the accelerator machine an early import gave Python's root logger a handler, so fairseq's
+    own logging.basicConfig did nothing, no train_inner line was printed and every training run was
+    recorded as failed. The training worker configures the logging itself; here a sitecustomize
+    module does what that import did, in the check and in its fairseq-train workers."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import logging\nlogging.basicConfig(level=logging.WARNING)\n")
+    out = tmp_path / "out"
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="2")
+    proc = subprocess.run([sys.executable, GPU_CHECK_PY, "--cpu-smoke", "--parts", "train", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    runs = json.loads((out / "gpu_check.json").read_text())["parts"]["train"]["runs"]
+    assert len(runs) == 4
+    for run in runs:
+        assert "error" not in run and run["num_updates"] == PLAN.updates, run
