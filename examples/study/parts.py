@@ -41,7 +41,7 @@ NARROW = ["--decoder-embed-dim", "64", "--decoder-ffn-embed-dim", "256", "--deco
 # every baseline seed meets the convergence criterion and the part's 19 runs fit about 4 hours on
 # 2 cores (docs/study.md, "Part tail": calibrate with --only baseline --seeds 1, then change
 # TAIL_WIDTH / TAIL_LAYERS / TAIL_DEFAULT here). Calibrated once (4 Dec 2026): at d = 128 neither
-# 3,000 nor 4,000 updates converges (valid PPL -1.33 % / -1.57 % over the last fifth); next: d = 64 / 96.
+# 3,000 nor 4,000 updates converges (valid PPL -1.33 % / -1.57 % over the last fifth); next steps in docs/study.md.
 TAIL_WIDTH, TAIL_LAYERS = 128, 2
 TAIL_MODEL = ["--decoder-layers", str(TAIL_LAYERS), "--decoder-embed-dim", str(TAIL_WIDTH),
               "--decoder-ffn-embed-dim", str(4 * TAIL_WIDTH), "--decoder-attention-heads", "4"]
