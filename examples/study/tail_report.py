@@ -295,10 +295,13 @@ def figure_rare_set(by_name, names, path) -> Optional[str]:
     plt = pyplot()
     style = run_style(shown)
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for n in shown:
+    # Runs at one α count the same targets in the same order (agg, freeze, agg+coupled-adam), so
+    # their curves coincide: each line is drawn thinner than the one before, so all stay visible.
+    for i, n in enumerate(shown):
         u, mean, lo, hi = seed_band([r["metrics"]["agg_rare_curve"] for r in by_name[n]
                                      if r["metrics"].get("agg_rare_curve")])
-        ax.plot(u, mean, label=n, markevery=max(1, len(u) // 8), markersize=4, **style[n])
+        ax.plot(u, mean, label=n, markevery=max(1, len(u) // 8), markersize=4,
+                **{**style[n], "linewidth": 1.2 + 0.8 * (len(shown) - 1 - i)})
         if len(by_name[n]) > 1:
             ax.fill_between(u, lo, hi, color=style[n]["color"], alpha=0.15, linewidth=0)
     ax.set_xlabel("update")
