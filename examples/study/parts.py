@@ -38,9 +38,10 @@ NARROW = ["--decoder-embed-dim", "64", "--decoder-ffn-embed-dim", "256", "--deco
 # The tail part (word level, about 19k types): a Pre-LN, tied GPT-style decoder (the LM demo's
 # shared flags) of width TAIL_WIDTH, 3,000 updates of 1,024 tokens (0.95 epoch), 19-26 minutes
 # per run with two runs on 2 cores (measured), so that the part's 19 runs fit about 4 hours.
-# Calibrated on 4 Dec 2026 (docs/study.md, "Part tail"): no budget tried (1 or 2 epochs, peak lr 2e-3 to 1e-2,
-# 1,024 or 4,096 tokens per update, dropout 0.1 or 0) meets the convergence criterion; every
-# baseline's valid PPL fell by 1.2 % or more over its last fifth. This one (-1.33 %) fits the budget.
+# Calibrated on 4 Dec 2026 (docs/study.md, "Part tail"): no budget tried (1 or 2 epochs, peak lr
+# 2e-3 to 1e-2, 1,024 or 4,096 tokens per update, dropout 0.1 or 0) meets the convergence
+# criterion; every baseline's valid PPL fell by 1.2 % or more over its last fifth. This one
+# (-1.33 %) fits the budget.
 TAIL_WIDTH, TAIL_LAYERS = 128, 2
 TAIL_MODEL = ["--decoder-layers", str(TAIL_LAYERS), "--decoder-embed-dim", str(TAIL_WIDTH),
               "--decoder-ffn-embed-dim", str(4 * TAIL_WIDTH), "--decoder-attention-heads", "4"]
