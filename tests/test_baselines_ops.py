@@ -15,6 +15,7 @@ from fairseq_agg.ops.cosreg import cosine_regularizer
 from fairseq_agg.ops.counting import CumulativeCounts
 from fairseq_agg.ops.face import FaceWeights, counted_ids, face_post_weights, face_token_weights
 from fairseq_agg.ops.fused_linear_loss import LossRequest, fused_linear_loss
+from fairseq_agg.ops.output_chunk import Tile
 from fairseq_agg.ops.unlikelihood import UnlikelihoodCandidates, first_occurrences, unlikelihood_candidates
 from reference_constructions import (
     frozen_rows,
@@ -200,16 +201,18 @@ def test_ul_candidates_of_a_random_batch_match_the_definition():
 
 
 def ul_terms_of(logits, candidates, alpha=1.0, clamp=1e-5):
-    """block_terms for one row of logits with the given candidate set."""
+    """The UL tile term for one row of logits with the given candidate set: value, the dense
+    gradient plus its sparse columns, and the number of candidates."""
     v = logits.numel()
-    target = torch.tensor([v])  # an id outside the row: never a candidate
-    table = torch.tensor([list(candidates) + [v]])
+    target = torch.tensor([0 if 0 not in candidates else max(candidates) + 1])  # never a candidate
+    z = torch.cat([logits, torch.full((target.item() + 1 - v,), -1e30, dtype=logits.dtype)]) if target.item() >= v \
+        else logits
+    table = torch.tensor([list(candidates)])
     cands = UnlikelihoodCandidates(table, torch.tensor([0]), torch.tensor([len(candidates)]), alpha, clamp)
-    e = torch.cat([(logits - logits.max()).exp(), torch.zeros(1, dtype=logits.dtype)]).unsqueeze(0)
-    value, coef_sum, ids, coef, n = cands.block_terms(e, e[:, :v].sum(1), slice(0, 1), target)
-    p = e[0, :v] / e[0, :v].sum()
-    grad = torch.zeros(v + 1, dtype=logits.dtype).scatter_add(0, ids[0], coef[0])[:v] - coef_sum[0] * p
-    return value[0], alpha * grad, int(n)
+    tile = Tile(z.unsqueeze(0), target, logits.dtype, with_argmax=False)
+    term = cands.tile_term(tile, cands.tile_inputs(slice(0, 1), target, logits.dtype))
+    grad = term.grad[0].scatter_add(0, term.columns[0], term.column_grad[0])[:v]
+    return term.value[0], grad, int(term.count.sum())
 
 
 def test_ul_hand_gradient_and_clamp():

@@ -114,6 +114,7 @@ class AggCriterion(OutputLossCriterion):
                        "--agg-freeze-rare")
         self.freezing = freezing if cfg.agg_freeze_rare else None
         self.augmented = augmented_loss_from_config(cfg, self.dictionary)
+        self.refuse_output_kernel(teacher=self.augmented.fused_teacher)
         self.keep_in_checkpoints(window=self.agg.window)  # the window travels with every checkpoint
         self.last_gates = None  # the gates of the latest training micro-batch
         self._threshold_logged = False

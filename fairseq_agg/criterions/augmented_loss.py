@@ -118,6 +118,7 @@ class AugmentedLossCriterion(OutputLossCriterion):
         refuse_without(cfg, AugmentedLossConfig, ["aug_gate_with_agg"], False, "--criterion cross_entropy_agg")
         super().__init__(task, cfg, "augmented_loss")
         self.augmented = augmented_loss_from_config(cfg, self.dictionary)
+        self.refuse_output_kernel(teacher=self.augmented.fused_teacher)
 
     def check_model(self, model):
         weight = super().check_model(model)

@@ -64,6 +64,7 @@ class FaceCriterion(OutputLossCriterion):
             counting=cfg.face_counting, window=cfg.face_window or None,
             uncounted_id=None if cfg.face_count_eos else self.dictionary.eos(), process_group=data_parallel_group(),
         )
+        self.refuse_output_kernel(row_weights=True, argmax=self.face.frequency == "out")
         self.keep_in_checkpoints(counter=self.face.counts)  # the counts travel with every checkpoint
 
     def on_epoch_batches(self, batches_per_epoch):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from fairseq import metrics, utils
 from fairseq.criterions import FairseqCriterion
+from fairseq.dataclass import ChoiceEnum
 from omegaconf import II
 
 from fairseq_agg.errors import UsageError, check_number, flag_name, plain_value
@@ -30,7 +31,10 @@ from fairseq_agg.fairseq_hooks import (
     TrainingLoop, anchor_criterion_state, anchored, holds_criterion_state, updates_per_epoch,
 )
 from fairseq_agg.ops import LossRequest, LossResult
-from fairseq_agg.ops.checks import check_integer
+from fairseq_agg.ops.checks import check_choice, check_integer
+from fairseq_agg.ops.foreign_kernels import DESCRIPTIONS, FOREIGN_KERNELS, foreign_refusal, load_foreign_kernel
+from fairseq_agg.ops.fused_linear_loss import KERNELS as OUTPUT_KERNELS
+from fairseq_agg.ops.output_chunk import compile_unavailable, describe_kernel
 from fairseq_agg.stats.config import EmbeddingStatsConfig
 from fairseq_agg.stats.live import EmbeddingStats, reduce_embedding_stats
 
@@ -51,7 +55,15 @@ class OutputLossConfig(EmbeddingStatsConfig):
         metadata={"help": "target tokens per chunk of the fused output layer (>= 1); the extra memory is "
                   "O(chunk x V), never tokens x V"},
     )
+    output_kernel: ChoiceEnum(list(OUTPUT_KERNELS)) = field(
+        default="auto",
+        metadata={"help": "the fused output layer's chunk body: auto (compiled where torch.compile can generate "
+                  "code for the device, else eager), compiled, eager; or another fused cross-entropy, for plain CE, "
+                  "label smoothing, AGG and freezing only: torch (F.linear_cross_entropy), liger (Liger-Kernel), "
+                  "cce (cut-cross-entropy, no label smoothing)"},
+    )
     sentence_avg: bool = II("optimization.sentence_avg")
+    cpu: bool = II("common.cpu")
     update_freq: list = II("optimization.update_freq")
     train_subset: str = II("dataset.train_subset")
     ddp_backend: str = II("distributed_training.ddp_backend")
@@ -74,6 +86,20 @@ def refuse_without(cfg, config_class, names, switch_on: bool, switch: str):
         value = getattr(cfg, name)
         if str(plain_value(value)) != str(flag_default(config_class, name)):
             raise UsageError(f"{flag_name(name)} needs {switch}")
+
+
+def check_output_kernel(cfg) -> str:
+    """``--output-kernel``, refused at start-up where it cannot run: a foreign kernel that is not
+    installed, or ``compiled`` where torch.compile cannot generate code for the training device."""
+    kernel = check_choice("output_kernel", cfg.output_kernel, OUTPUT_KERNELS)
+    if kernel in FOREIGN_KERNELS:
+        load_foreign_kernel(kernel)
+    elif kernel == "compiled":
+        device = torch.device("cuda" if torch.cuda.is_available() and not cfg.cpu else "cpu")
+        reason = compile_unavailable(device)
+        if reason:
+            raise UsageError(f"--output-kernel compiled cannot run on {device.type}: {reason} (choose auto or eager)")
+    return kernel
 
 
 def output_projection_weight(model):
@@ -127,6 +153,7 @@ class OutputLossCriterion(FairseqCriterion):
     def __init__(self, task, cfg: OutputLossConfig, name: str):
         check_number("label_smoothing", cfg.label_smoothing, 0.0, 1.0, high_open=True)
         check_integer("output_chunk_tokens", cfg.output_chunk_tokens, 1)
+        self.output_kernel = check_output_kernel(cfg)
         if cfg.ddp_backend == "fully_sharded":
             # FSDP shards the output matrix, which the fused output layer reads and gates whole
             raise UsageError("--ddp-backend fully_sharded (FSDP) is not supported by this criterion: use "
@@ -142,6 +169,15 @@ class OutputLossCriterion(FairseqCriterion):
         self.state_names = ()  # submodules whose counts travel with the checkpoints
         self._model_checked = False
         self._state_size_reported = False
+        self._kernel_logged = False
+
+    def refuse_output_kernel(self, **computes):
+        """A foreign ``--output-kernel`` that cannot compute what this criterion asks (``teacher``,
+        ``row_weights``, ``penalty``, ``argmax``): a UsageError at start-up."""
+        if self.output_kernel in FOREIGN_KERNELS:
+            refusal = foreign_refusal(self.output_kernel, label_smoothing=self.cfg.label_smoothing > 0, **computes)
+            if refusal:
+                raise UsageError(refusal)
 
     def set_update_num(self, update_num: int, ignore_grad: bool = False):
         """For use outside fairseq-train: the update_num of the micro-batches that follow."""
@@ -201,6 +237,11 @@ class OutputLossCriterion(FairseqCriterion):
         if not self._model_checked:
             self.check_model(model)
         weight = output_projection_weight(model)
+        if not self._kernel_logged:
+            self._kernel_logged = True
+            path = (f"{DESCRIPTIONS[self.output_kernel]} (AGG's gates by algebra)" if self.output_kernel in FOREIGN_KERNELS
+                    else describe_kernel(self.output_kernel, weight.device))
+            logger.info(f"{self.name}: output layer: {path}")
         net_output = model(**sample["net_input"], features_only=True)
         features = net_output[0]
         padded_target = model.get_targets(sample, net_output)
@@ -216,7 +257,7 @@ class OutputLossCriterion(FairseqCriterion):
     def loss_request(self, reduce: bool = True) -> LossRequest:
         """The request of the common flags: label smoothing, chunk size, per-token losses."""
         return LossRequest(label_smoothing=self.cfg.label_smoothing, chunk_size=self.cfg.output_chunk_tokens,
-                           per_token=not reduce)
+                           per_token=not reduce, kernel=self.output_kernel)
 
     def finish(self, model, batch: OutputBatch, loss, result: LossResult, extra: dict):
         """fairseq's ``(loss, sample_size, logging_output)``; per-token losses (``reduce=False``)

@@ -43,6 +43,7 @@ class UnlikelihoodCriterion(OutputLossCriterion):
     def __init__(self, task, cfg: UnlikelihoodConfig):
         super().__init__(task, cfg, "cross_entropy_unlikelihood")
         self.unlikelihood = UnlikelihoodLoss(alpha=cfg.ul_alpha, clamp=cfg.ul_clamp, pad=self.padding_idx)
+        self.refuse_output_kernel(penalty=True)
 
     def forward(self, model, sample, reduce=True):
         batch = self.output_batch(model, sample)

@@ -3,9 +3,9 @@
 * :func:`agg_gates` turns the window counts (:class:`fairseq_agg.ops.counting.RareTokenWindow`, the
   paper's dynamic rare-token grouping; docs/agg.md (A1)) into the rare group and the gate vectors g1, g2
   (docs/agg.md (A2)-(A4));
-* :meth:`TokenGates.gate_logit_grad_` applies the gates to a chunk of the logit gradient
-  (docs/agg.md (A5)); the fused output layer (:mod:`fairseq_agg.ops.fused_linear_loss`) calls it
-  after forming the hidden-state gradient and before the output-embedding gradient (A6).
+* :meth:`TokenGates.tile_gate` is the gate factor on a chunk of the logit gradient (docs/agg.md
+  (A5)); the fused output layer's chunk body (:mod:`fairseq_agg.ops.output_chunk`) forms dH from
+  the un-gated gradient and dW from the gated one (A6).
 * :func:`check_alpha` keeps every gate <= 1; :func:`gate_statistics` is what AGG logs;
 * :func:`frozen_rare_rows` is the gate variant of the paper's freezing analysis (§3, Table 1):
   g1 = g2 = 0 on the rare group *and* its own column zeroed too, i.e. the whole output-side rows
@@ -15,7 +15,7 @@ The formulas, the defaults and where this code departs from the released code ar
 ``docs/agg.md``.
 """
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, NamedTuple, Optional
 
 import torch
 
@@ -39,23 +39,25 @@ class TokenGates:
     def to(self, device) -> "TokenGates":
         return TokenGates(g1=self.g1.to(device), g2=self.g2.to(device), rare=self.rare.to(device))
 
-    def gate_logit_grad_(self, grad: torch.Tensor, target: torch.Tensor):
-        """Gates the logit gradient ``grad`` (rows x V) of the rows with targets ``target``, in place.
+    def tile_inputs(self, target: torch.Tensor) -> "GateInputs":
+        """What the chunk body needs for rows with targets ``target``: the gate vectors and, per
+        row, whether its target is rare."""
+        return GateInputs(g1=self.g1, g2=self.g2, rare_target=self.rare.index_select(0, target))
 
-        Rows with a non-rare target are scaled by g1 (g1 = 1 outside the rare group, so only rare
-        columns change and the target column is untouched); rows with a rare target by g2, except
-        in their own target column (docs/agg.md (A5)).
-        """
-        rare_target_rows = self.rare.index_select(0, target).nonzero().squeeze(1)
-        if rare_target_rows.numel():
-            rare_rows = grad.index_select(0, rare_target_rows)
-            own_column = target.index_select(0, rare_target_rows).unsqueeze(1)
-            keep = rare_rows.gather(1, own_column)
-            rare_rows.mul_(self.g2.unsqueeze(0))
-            rare_rows.scatter_(1, own_column, keep)
-        grad.mul_(self.g1.unsqueeze(0))
-        if rare_target_rows.numel():
-            grad.index_copy_(0, rare_target_rows, rare_rows)
+    @staticmethod
+    def tile_gate(tile, inputs: "GateInputs") -> torch.Tensor:
+        """The (rows x V) factor Gamma with G_w = Gamma * G (docs/agg.md (A5)): rows with a non-rare
+        target are scaled by g1 (1 outside the rare group, so the target's own column is
+        untouched), rows with a rare target by g2 except in their own target column."""
+        rare_rows = inputs.rare_target.unsqueeze(1)
+        own_or_g2 = torch.where(tile.is_target, torch.ones_like(inputs.g2), inputs.g2.unsqueeze(0))
+        return torch.where(rare_rows, own_or_g2, inputs.g1.unsqueeze(0))
+
+
+class GateInputs(NamedTuple):
+    g1: torch.Tensor  # (V,)
+    g2: torch.Tensor  # (V,)
+    rare_target: torch.Tensor  # (rows,) bool
 
 
 # Tokens per optimizer update of the AGG paper's recipes (the released code's training commands;

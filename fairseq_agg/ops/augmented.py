@@ -6,16 +6,16 @@
 
 * :func:`aug_scale_factor`: s(tau);
 * :func:`build_teacher`: the *detached* teacher y~, built once per unique target type of a batch
-  (it depends on the type only), as a :class:`TeacherTargets` that the fused output layer
-  (:mod:`fairseq_agg.ops.fused_linear_loss`) evaluates chunk by chunk through
-  :meth:`TeacherTargets.block_kl` and :meth:`TeacherTargets.block_grad_`;
+  (it depends on the type only), as a :class:`TeacherTargets` whose term
+  (:meth:`TeacherTargets.tile_term`) the fused output layer's chunk body evaluates on each logit
+  tile (:mod:`fairseq_agg.ops.output_chunk`);
 * :func:`augmented_kl_direct`: the *non-detached* variant, where gradients also flow into E
   through y~, as its own chunked autograd Function (summed, or per token);
 * :class:`AugmentedLoss`: the method for a training loop (alpha's warm-up, the teacher, the fused
   call), the object the fairseq criteria hold.
 """
-from dataclasses import dataclass, replace
-from typing import Optional, Sequence
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -25,6 +25,7 @@ from .checks import check_choice, check_integer
 from .fused_linear_loss import (
     LossRequest, LossResult, block_rows, check_output_layer_inputs, fused_linear_loss, loss_dtype,
 )
+from .output_chunk import TermOut
 
 SCALES = ("none", "tau", "tau2")
 MASKED_LOGIT = -1e30
@@ -59,47 +60,41 @@ class TeacherTargets:
     tau: float
     coef: float
     gate_with_agg: bool = False
+    _scalars: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)  # 1/tau, coef
 
-    def block_kl(self, z, row_max, rows: slice, teacher_out, tempered_out):
-        """Per-token KL(y~ || softmax(z / tau)) of a block of logit rows ``z`` (left unchanged).
-
-        Uses KL = lse(z / tau) - y~.z / tau - H(y~), exact and without a log of y~. ``row_max`` is
-        max_k z (max z / tau = max(z) / tau, so it serves both softmaxes); ``rows`` the block's
-        token positions. Fills ``teacher_out`` with the teacher rows of those tokens and
-        ``tempered_out`` with exp((z - max z) / tau); returns the KL and the row sums of the latter.
-        """
+    def tile_inputs(self, rows: slice, acc: torch.dtype) -> "TeacherInputs":
+        """What the chunk body needs for the token positions ``rows``: the teacher matrix, each
+        row's index into it and entropy, and 1 / tau and coef as 0-d tensors (a changing coef,
+        alpha's warm-up, then never recompiles the body)."""
         index = self.index[rows]
-        if self.probs.dtype == teacher_out.dtype:
-            torch.index_select(self.probs, 0, index, out=teacher_out)
-        else:
-            teacher_out.copy_(self.probs.index_select(0, index))
-        # y~.z through tempered_out before it is filled: a product and a row sum are vectorised where
-        # a batched (1 x V) @ (V x 1) product runs as one small GEMV per row, several times slower
-        teacher_dot = torch.mul(teacher_out, z, out=tempered_out).sum(dim=-1)
-        inv_tau = 1.0 / self.tau
-        torch.add(row_max * -inv_tau, z, alpha=inv_tau, out=tempered_out)
-        tempered_out.exp_()
-        tempered_sum = tempered_out.sum(dim=-1)
-        lse_tau = row_max.squeeze(1) * inv_tau + tempered_sum.log()
-        kl = lse_tau - teacher_dot * inv_tau - self.entropy.index_select(0, index)
-        return kl, tempered_sum
+        if self._scalars is None or self._scalars[0].dtype != acc:
+            device = self.probs.device
+            self._scalars = (torch.tensor(1.0 / self.tau, dtype=acc, device=device),
+                             torch.tensor(self.coef, dtype=acc, device=device))
+        inv_tau, coef = self._scalars
+        return TeacherInputs(probs=self.probs, index=index, entropy=self.entropy.index_select(0, index),
+                             inv_tau=inv_tau, coef=coef)
 
-    def block_grad_(self, tempered, tempered_sum, teacher_rows, row_scale=None, add_to=None):
-        """coef * dKL/dz = coef (y^ - y~) / tau (eq. 3.4) from ``tempered`` and its row sums (from
-        :meth:`block_kl`), each row times ``row_scale`` when given: added to ``add_to`` (the block's
-        CE gradient, without forming the KL's apart first), or else written over ``tempered``."""
-        scale = self.coef * (1.0 / self.tau)
-        softmax_rate = scale / tempered_sum  # y^ = tempered / its row sum
-        if row_scale is not None:
-            softmax_rate = softmax_rate * row_scale
-        if add_to is None:
-            grad = tempered.mul_(softmax_rate.unsqueeze(1))
-        else:
-            grad = add_to.addcmul_(tempered, softmax_rate.unsqueeze(1))
-        if row_scale is None:
-            grad.sub_(teacher_rows, alpha=scale)
-        else:
-            grad.addcmul_(teacher_rows, (-scale * row_scale).unsqueeze(1))
+    @staticmethod
+    def tile_term(tile, inputs: "TeacherInputs"):
+        """coef * KL(y~ || softmax(z / tau)) per row of a logit tile, and its gradient coef (y^ - y~) / tau
+        (eq. 3.4). KL = lse(z / tau) - y~.z / tau - H(y~), exact and without a log of y~; max(z / tau)
+        = max(z) / tau, so the tile's row maximum serves both softmaxes."""
+        z, inv_tau, coef = tile.z, inputs.inv_tau, inputs.coef
+        teacher = inputs.probs.index_select(0, inputs.index).to(z.dtype)
+        scaled_max = tile.row_max * inv_tau
+        lse_tau = scaled_max + torch.exp(z * inv_tau - scaled_max).sum(dim=1, keepdim=True).log()
+        kl = lse_tau.squeeze(1) - (teacher * z).sum(dim=1) * inv_tau - inputs.entropy
+        grad = (coef * inv_tau) * (torch.exp(z * inv_tau - lse_tau) - teacher)
+        return TermOut(loss=coef * kl, value=kl, grad=grad)
+
+
+class TeacherInputs(NamedTuple):
+    probs: torch.Tensor  # (types, V) the teacher rows
+    index: torch.Tensor  # (rows,) each row's teacher row
+    entropy: torch.Tensor  # (rows,) H(y~) of each row's teacher
+    inv_tau: torch.Tensor  # 0-d
+    coef: torch.Tensor  # 0-d
 
 
 @torch.no_grad()
@@ -335,6 +330,11 @@ class AugmentedLoss:
         self.detach_teacher = bool(detach_teacher)
         self.gate_with_agg = bool(gate_with_agg)
         self.masked_columns = None if masked_columns is None else list(masked_columns)
+
+    @property
+    def fused_teacher(self) -> bool:
+        """Whether the teacher is evaluated inside the fused output layer (alpha > 0, detached)."""
+        return self.alpha > 0 and self.detach_teacher
 
     def alpha_at(self, update_num: Optional[int] = None) -> float:
         """alpha after the linear warm-up, in the update after ``update_num`` completed ones."""

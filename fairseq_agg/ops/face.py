@@ -14,13 +14,13 @@ The counts are of the model's argmax predictions (``out``, the code's default) o
 (``gt``), over the whole run (the code's) or a sliding window of updates. With no counts yet
 (sum f = 0) every weight is 1.
 
-:class:`FaceWeights` is what the fused output layer (:mod:`fairseq_agg.ops.fused_linear_loss`)
-evaluates block by block: one scalar per row, folded into the row's loss and logit gradient (the
-layer returns each row's argmax for ``out`` counting). :class:`FaceLoss` owns the counts and puts
+:class:`FaceWeights` is what the fused output layer's chunk body (:mod:`fairseq_agg.ops.output_chunk`)
+evaluates on each logit tile: one scalar per row, folded into the row's loss and logit gradient
+(the layer returns each row's argmax for ``out`` counting). :class:`FaceLoss` owns the counts and puts
 the pieces together for one training micro-batch.
 """
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -77,11 +77,29 @@ class FaceWeights:
     def needs_argmax(self) -> bool:
         return self.counts is not None
 
-    def block_row_weight(self, target: torch.Tensor, predicted: Optional[torch.Tensor]) -> torch.Tensor:
-        """The weight of each row of a block (targets ``target``, argmax ``predicted``)."""
+    def tile_inputs(self, target: torch.Tensor) -> "FaceInputs":
+        """What the chunk body needs for rows with targets ``target``."""
         if self.token_weight is not None:
-            return self.token_weight.index_select(0, target)
-        return face_post_weights(self.counts, target, predicted)
+            return FaceInputs(row_weight=self.token_weight.index_select(0, target))
+        return FaceInputs(counts=self.counts)
+
+    @property
+    def tile_row_weight(self):
+        """The static function of this weighing: (tile, inputs) -> each row's weight."""
+        return _pre_row_weight if self.token_weight is not None else _post_row_weight
+
+
+class FaceInputs(NamedTuple):
+    row_weight: Optional[torch.Tensor] = None  # (rows,) pre-weights of the targets
+    counts: Optional[torch.Tensor] = None  # (V,) counts for post-weights
+
+
+def _pre_row_weight(tile, inputs: FaceInputs) -> torch.Tensor:
+    return inputs.row_weight.to(tile.z.dtype)
+
+
+def _post_row_weight(tile, inputs: FaceInputs) -> torch.Tensor:
+    return face_post_weights(inputs.counts, tile.target, tile.argmax).to(tile.z.dtype)
 
 
 COUNTINGS = ("cumulative", "window")

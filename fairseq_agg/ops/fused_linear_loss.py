@@ -33,12 +33,16 @@ Softmax and all loss arithmetic run in fp32 whatever the dtype of H and W; the m
 model dtype.
 """
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Protocol
+from typing import Callable, NamedTuple, Optional, Protocol
 
 import torch
 
-from .checks import check_integer
 from fairseq_agg.errors import check_number
+
+from .checks import check_choice, check_integer
+from .output_chunk import BodyPlan, note_compile_failure, resolve_kernel, run_chunk_body, smoothing_weights
+from .foreign_kernels import FOREIGN_KERNELS, foreign_linear_loss
+from .output_chunk import KERNELS as OUTPUT_KERNELS
 
 
 def _matmul_into(out, a, b, accumulate=False):
@@ -87,28 +91,29 @@ def check_output_layer_inputs(hidden, weight, target):
 
 
 # --- what the methods hand in -------------------------------------------------------------------
+#
+# Each method object says what it needs from a chunk (``tile_inputs``, index work of O(rows) done
+# outside the body; its scalars as 0-d tensors) and gives the static, pure-tensor function the
+# chunk body calls (:mod:`fairseq_agg.ops.output_chunk`).
 
 
 class GradientGates(Protocol):
     """AGG's gates (:class:`fairseq_agg.ops.agg_gates.TokenGates`)."""
 
-    def gate_logit_grad_(self, grad: torch.Tensor, target: torch.Tensor) -> None:
-        """Gates a chunk of the logit gradient (rows x V, targets ``target``) in place."""
+    def tile_inputs(self, target: torch.Tensor): ...
+
+    tile_gate: Callable  # (tile, inputs) -> the (rows x V) factor that turns G into G_w
 
 
 class Teacher(Protocol):
     """The augmented loss's detached teacher (:class:`fairseq_agg.ops.augmented.TeacherTargets`)."""
 
     index: torch.Tensor  # (N,): one entry per target
-    coef: float  # weight of the KL in the loss
     gate_with_agg: bool  # whether AGG's gates also act on the KL's part of dW
 
-    def block_kl(self, z, row_max, rows: slice, teacher_out, tempered_out):
-        """Per-token KL of a block of logit rows, and the row sums of the tempered softmax."""
+    def tile_inputs(self, rows: slice, acc: torch.dtype): ...
 
-    def block_grad_(self, tempered, tempered_sum, teacher_rows, row_scale=None, add_to=None) -> None:
-        """coef * dKL/dz of the block, its rows times ``row_scale`` when given: added to ``add_to``,
-        or else written over ``tempered``."""
+    tile_term: Callable  # (tile, inputs) -> TermOut: coef * KL per row, KL, coef * dKL/dz
 
 
 class RowWeights(Protocol):
@@ -116,28 +121,22 @@ class RowWeights(Protocol):
 
     needs_argmax: bool
 
-    def block_row_weight(self, target: torch.Tensor, predicted: Optional[torch.Tensor]) -> torch.Tensor:
-        """The weight of each row of a block (targets, and argmax when ``needs_argmax``)."""
+    def tile_inputs(self, target: torch.Tensor): ...
 
-
-class PenaltyBlock(NamedTuple):
-    """A penalty's terms on a block of rows (see :class:`Penalty`)."""
-
-    value: torch.Tensor  # (rows,) the penalty before alpha
-    rate: torch.Tensor  # (rows,) change of the softmax's row scale, before alpha
-    columns: torch.Tensor  # (rows, L) the candidate columns
-    column_grad: torch.Tensor  # (rows, L) logit gradient at those columns, before alpha
-    candidates: torch.Tensor  # number of valid candidates in the block
+    tile_row_weight: Callable  # (tile, inputs) -> (rows,) weight of each row's cross-entropy
 
 
 class Penalty(Protocol):
     """Token-level unlikelihood (:class:`fairseq_agg.ops.unlikelihood.UnlikelihoodCandidates`)."""
 
-    alpha: float
     position: torch.Tensor  # (N,): one entry per target
 
-    def block_terms(self, exp_logits, exp_sum, rows: slice, target) -> PenaltyBlock:
-        """The penalty of a block from exp(z - max z) and its row sums."""
+    def tile_inputs(self, rows: slice, target: torch.Tensor, acc: torch.dtype): ...
+
+    tile_term: Callable  # (tile, inputs) -> TermOut with the candidate columns
+
+
+KERNELS = OUTPUT_KERNELS + FOREIGN_KERNELS
 
 
 @dataclass
@@ -153,10 +152,12 @@ class LossRequest:
     chunk_size: int = 2048  # tokens per chunk; peak extra memory O(chunk_size x V)
     per_token: bool = False  # loss and nll per token (N,) instead of their sums
     record_argmax: bool = False  # return each row's argmax (FACE's ``out`` counts)
+    kernel: str = "auto"  # the chunk body: auto | eager | compiled; or a foreign fused CE: torch | liger | cce
 
     def __post_init__(self):
         self.label_smoothing = float(check_number("label_smoothing", self.label_smoothing, 0, 1, high_open=True))
         self.chunk_size = check_integer("output_chunk_tokens", self.chunk_size, 1)
+        self.kernel = check_choice("output_kernel", self.kernel, KERNELS)
 
     @property
     def needs_argmax(self) -> bool:
@@ -191,77 +192,51 @@ class _Pass(NamedTuple):
     grad_weight: Optional[torch.Tensor]
 
 
-def _logit_grad_(z, z_sum, y, target_weight, eps_i, row_weight, penalty, terms):
-    """Turns a block's exp(z - max z) into its logit gradient, in place:
-    G = w (softmax(Z) - Q), Q = (1-eps-eps_i) onehot + eps_i, w the row weight (1 without); a
-    penalty moves the softmax's row scale and adds its own columns."""
-    if row_weight is None and penalty is None:
-        z.mul_(z_sum.reciprocal().unsqueeze(1))
-    else:
-        scale = torch.ones_like(z_sum) if row_weight is None else row_weight
-        if penalty is not None:
-            scale = scale - penalty.alpha * terms.rate
-        z.mul_((scale / z_sum).unsqueeze(1))
-    if eps_i > 0:
-        z.sub_(eps_i if row_weight is None else (eps_i * row_weight).unsqueeze(1))
-    if row_weight is None:
-        target_grad = torch.full((z.size(0), 1), -target_weight, dtype=z.dtype, device=z.device)
-    else:
-        target_grad = (-target_weight * row_weight).unsqueeze(1)
-    z.scatter_add_(1, y.unsqueeze(1), target_grad)
-    if penalty is not None:
-        z.scatter_add_(1, terms.columns, terms.column_grad.mul_(penalty.alpha))
-
-
-def _chunk_grads(grad, aug_grad, h, weight, gates, target, grad_hidden, grad_weight):
-    """dH = G W for a chunk (never gated) and dW += (gated G)^T H. ``aug_grad``: the augmented
-    loss's gradient when it is kept apart from G (AGG gates the CE part only), else None."""
-    if aug_grad is None:
-        _matmul_into(grad_hidden, grad, weight)
-    else:
-        # dH from the un-gated total, dW from the gated CE part plus the un-gated AL part: the AL
-        # buffer holds the total for the matmul, then G is taken back out of it
-        aug_grad.add_(grad)
-        _matmul_into(grad_hidden, aug_grad, weight)
-        aug_grad.sub_(grad)
-    if gates is not None:
-        gates.gate_logit_grad_(grad, target)
-    if aug_grad is not None:
-        grad.add_(aug_grad)
-    _matmul_into(grad_weight, grad.t(), h, accumulate=True)
+def body_plan(request: LossRequest, acc: torch.dtype, needs_grad: bool, row_scale: bool) -> BodyPlan:
+    """The static shape of the chunk body for ``request`` (one compiled graph per plan)."""
+    teacher = request.teacher
+    return BodyPlan(
+        acc=acc, smoothing=request.label_smoothing > 0, needs_grad=needs_grad,
+        row_scale=row_scale, argmax=request.needs_argmax,
+        gate=None if request.gates is None else type(request.gates).tile_gate,
+        row_weight=None if request.row_weights is None else request.row_weights.tile_row_weight,
+        teacher=None if teacher is None else type(teacher).tile_term,
+        teacher_gated=teacher is None or teacher.gate_with_agg,
+        penalty=None if request.penalty is None else type(request.penalty).tile_term,
+    )
 
 
 def _output_layer_pass(hidden, weight, target, request: LossRequest, needs_grad, row_scale=None) -> _Pass:
     """One pass over the chunks: the values, and with ``needs_grad`` dH and dW, each row's part of
     the logit gradient multiplied by ``row_scale[n]`` when given (the per-token backward)."""
-    n_rows, _ = hidden.shape
-    vocab = weight.size(0)
+    n_rows, vocab = hidden.size(0), weight.size(0)
     gates, teacher, row_weights, penalty = request.gates, request.teacher, request.row_weights, request.penalty
-    epsilon, chunk_size, per_token = request.label_smoothing, request.chunk_size, request.per_token
-    eps_i = epsilon / (vocab - 1) if epsilon > 0 else 0.0
-    target_weight = 1.0 - epsilon - eps_i  # fairseq: loss = (1-eps-eps_i)*nll + eps_i*smooth
+    chunk_size, per_token = request.chunk_size, request.per_token
+    kernel = resolve_kernel(request.kernel, hidden.device)
 
     acc = loss_dtype(hidden, weight)
     opts = dict(dtype=acc, device=hidden.device)
     grad_hidden = torch.empty(hidden.shape, **opts) if needs_grad else None
     grad_weight = torch.zeros(weight.shape, **opts) if needs_grad else None
-    loss, nll_sum, aug_sum, penalty_sum, weight_sum = (torch.zeros((), **opts) for _ in range(5))
+    sums = {name: torch.zeros((), **opts) for name in ("loss", "nll", "aug_kl", "penalty", "row_weight")}
     candidate_count = torch.zeros((), dtype=torch.long, device=hidden.device)
     token_loss = torch.empty(n_rows, **opts) if per_token else None
     token_nll = torch.empty(n_rows, **opts) if per_token else None
     argmax = torch.empty(n_rows if request.needs_argmax else 0, dtype=torch.long, device=hidden.device)
 
-    # Work buffers reused by every chunk, and every step below in place: on a CPU each fresh
-    # chunk x V tensor costs more (page faults) than the arithmetic done on it.
+    # The logits, and then in place their gradient, live in one reused buffer in the model's dtype
+    # (on a CPU each fresh chunk x V tensor costs more in page faults than the arithmetic on it); a
+    # second one holds AGG's gated gradient for dW. The eager body works through cache-sized blocks
+    # of rows on a CPU; the compiled body takes the whole chunk.
     rows = min(chunk_size, n_rows)
-    block = block_rows(hidden.device, vocab, acc, rows)
-    logits_buf = torch.empty((rows, vocab), **opts)
-    # The augmented-loss gradient is kept apart from the CE one only when AGG gates the CE part
-    # alone (docs/augmented_loss.md, "Combination with AGG").
-    separate_aug = teacher is not None and needs_grad and gates is not None and not teacher.gate_with_agg
-    if teacher is not None:
-        tempered_buf = torch.empty((rows if separate_aug else block, vocab), **opts)
-        teacher_buf = torch.empty((block, vocab), **opts)
+    logit_dtype = weight.dtype if hidden.dtype == weight.dtype else acc
+    # One spare row: every chunk is then a strict part of its buffer, so the compiled body sees the
+    # same view relation for full and partial chunks (else Dynamo compiles a second graph for the last).
+    logits_buf = torch.empty((rows + 1, vocab), dtype=logit_dtype, device=hidden.device)
+    gated_buf = torch.empty_like(logits_buf) if needs_grad and gates is not None else None
+    block = rows if kernel == "compiled" else block_rows(hidden.device, vocab, acc, rows)
+    plan = body_plan(request, acc, needs_grad, row_scale is not None)
+    smoothing = smoothing_weights(request.label_smoothing, vocab, acc, hidden.device)
     weight_t = weight.t()
 
     for start in range(0, n_rows, chunk_size):
@@ -269,78 +244,56 @@ def _output_layer_pass(hidden, weight, target, request: LossRequest, needs_grad,
         h = hidden[start:stop]
         z_chunk = logits_buf[: stop - start]
         _matmul_into(z_chunk, h, weight_t)  # the only logits matmul
-
         for b in range(start, stop, block):
             e = min(b + block, stop)
-            z = z_chunk[b - start : e - start]
-            y = target[b:e]
-            target_logit = z.gather(1, y.unsqueeze(1)).squeeze(1)
-            predicted = None
-            if request.needs_argmax:
-                row_max, predicted = z.max(dim=1, keepdim=True)  # the argmax in the same pass
-                predicted = predicted.squeeze(1)
-                argmax[b:e] = predicted
-            else:
-                row_max = z.amax(dim=1, keepdim=True)
-            row_weight = None
-            if row_weights is not None:
-                row_weight = row_weights.block_row_weight(y, predicted).to(acc)
-                weight_sum += row_weight.sum()
-            logit_sum = z.sum(dim=-1) if eps_i > 0 else None
-
-            if teacher is not None:  # before z is overwritten
-                t = teacher_buf[: e - b]
-                q = tempered_buf[b - start : e - start] if separate_aug else tempered_buf[: e - b]
-                kl, q_sum = teacher.block_kl(z, row_max, slice(b, e), t, q)
-                aug_sum += kl.sum()
-                loss += teacher.coef * kl.sum()
-
-            z.sub_(row_max).exp_()  # z now holds exp(z - max z)
-            z_sum = z.sum(dim=-1)
-            lse = row_max.squeeze(1) + z_sum.log()
-            nll = lse - target_logit
-            nll_sum += nll.sum()
-            if eps_i > 0:
-                smooth = vocab * lse - logit_sum  # sum_k -log p_k
-                ce = target_weight * nll + eps_i * smooth
-            else:
-                ce = nll
-            loss += ce.sum() if row_weight is None else row_weight.dot(ce)
-            if penalty is not None:  # from exp(z - max z), before it is overwritten
-                terms = penalty.block_terms(z, z_sum, slice(b, e), y)
-                penalty_sum += terms.value.sum()
-                candidate_count += terms.candidates
-                loss += penalty.alpha * terms.value.sum()
+            z, y = z_chunk[b - start : e - start], target[b:e]
+            args = (
+                z, y, smoothing, None if row_scale is None else row_scale[b:e], z,
+                None if gated_buf is None else gated_buf[b - start : e - start],
+                None if gates is None else gates.tile_inputs(y),
+                None if row_weights is None else row_weights.tile_inputs(y),
+                None if teacher is None else teacher.tile_inputs(slice(b, e), acc),
+                None if penalty is None else penalty.tile_inputs(slice(b, e), y, acc),
+            )
+            values, kernel = _run_body(kernel, request.kernel, plan, args, hidden.device)
             if per_token:
-                row_loss = ce if row_weight is None else row_weight * ce
-                if teacher is not None:
-                    row_loss = row_loss + teacher.coef * kl
-                if penalty is not None:
-                    row_loss = row_loss + penalty.alpha * terms.value
-                token_loss[b:e] = row_loss
-                token_nll[b:e] = nll
-            if not needs_grad:
-                continue
-
-            _logit_grad_(z, z_sum, y, target_weight, eps_i, row_weight, penalty, terms if penalty is not None else None)
-            scale_rows = None
-            if row_scale is not None:  # each token's own incoming gradient (per-token losses)
-                scale_rows = row_scale[b:e].to(acc)
-                z.mul_(scale_rows.unsqueeze(1))
-            if teacher is not None:  # added to G (one gradient for dH and dW), or kept apart in q
-                teacher.block_grad_(q, q_sum, t, scale_rows, add_to=None if separate_aug else z)
-
-        if needs_grad:
-            _chunk_grads(z_chunk, tempered_buf[: stop - start] if separate_aug else None, h, weight, gates,
-                         target[start:stop], grad_hidden[start:stop], grad_weight)
+                token_loss[b:e] = values.loss
+                token_nll[b:e] = values.nll
+            sums["loss"] += values.loss.sum()
+            sums["nll"] += values.nll.sum()
+            if values.aug_kl is not None:
+                sums["aug_kl"] += values.aug_kl.sum()
+            if values.penalty is not None:
+                sums["penalty"] += values.penalty.sum()
+                candidate_count += values.candidates.sum()
+            if values.row_weight is not None:
+                sums["row_weight"] += values.row_weight.sum()
+            if values.argmax is not None:
+                argmax[b:e] = values.argmax
+        if needs_grad:  # dH from the un-gated G, dW from the gated one (docs/agg.md (A6))
+            _matmul_into(grad_hidden[start:stop], z_chunk, weight)
+            for_weight = z_chunk if gated_buf is None else gated_buf[: stop - start]
+            _matmul_into(grad_weight, for_weight.t(), h, accumulate=True)
 
     if needs_grad and request.frozen_rows is not None:
         grad_weight.masked_fill_(request.frozen_rows.unsqueeze(1), 0.0)  # all terms: the rows never move
     return _Pass(
-        loss=token_loss if per_token else loss, nll=token_nll if per_token else nll_sum, aug_kl=aug_sum,
-        penalty=penalty_sum, penalty_candidates=candidate_count, row_weight_sum=weight_sum, argmax=argmax,
-        grad_hidden=grad_hidden, grad_weight=grad_weight,
+        loss=token_loss if per_token else sums["loss"], nll=token_nll if per_token else sums["nll"],
+        aug_kl=sums["aug_kl"], penalty=sums["penalty"], penalty_candidates=candidate_count,
+        row_weight_sum=sums["row_weight"], argmax=argmax, grad_hidden=grad_hidden, grad_weight=grad_weight,
     )
+
+
+def _run_body(kernel: str, asked: str, plan: BodyPlan, args, device):
+    """The chunk body on ``kernel``; under ``auto`` a failed compilation falls back to eager once
+    and for all (said in the log). Returns the values and the kernel to use from now on."""
+    if kernel == "compiled" and asked == "auto":
+        try:
+            return run_chunk_body(kernel, plan, *args), kernel
+        except Exception as error:  # noqa: BLE001 - any compiler failure: the eager body is the same math
+            note_compile_failure(device, error)
+            kernel = "eager"
+    return run_chunk_body(kernel, plan, *args), kernel
 
 
 class _FusedLinearLoss(torch.autograd.Function):
@@ -402,6 +355,14 @@ def fused_linear_loss(
     frozen = request.frozen_rows
     if frozen is not None and (frozen.dtype != torch.bool or frozen.shape != weight.shape[:1]):
         raise ValueError(f"frozen_rows must be a bool mask of shape ({weight.size(0)},)")
+    if request.kernel in FOREIGN_KERNELS:
+        row_loss, row_nll = foreign_linear_loss(hidden, weight, target, request)
+        zero = torch.zeros((), dtype=row_nll.dtype, device=hidden.device)
+        return LossResult(
+            loss=row_loss if request.per_token else row_loss.sum(), nll=row_nll if request.per_token else row_nll.sum(),
+            aug_kl=zero, penalty=zero, penalty_candidates=torch.zeros((), dtype=torch.long, device=hidden.device),
+            row_weight_sum=zero,
+        )
     # Under torch.no_grad (validation) the gradients are not formed at all.
     compute_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     loss, nll, aug_kl, penalty, candidates, weight_sum, argmax = _FusedLinearLoss.apply(

@@ -20,15 +20,16 @@ sequence, each token only at its first position (a stable sort per row), so the 
 before position t are exactly the kept entries at positions < t. :class:`UnlikelihoodLoss` is the
 method for a training loop (and the object the fairseq criterion holds).
 """
-from dataclasses import dataclass, replace
-from typing import Optional
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple, Optional
 
 import torch
 
 from fairseq_agg.errors import check_number
 
 from .checks import check_integer
-from .fused_linear_loss import LossRequest, LossResult, PenaltyBlock, fused_linear_loss
+from .fused_linear_loss import LossRequest, LossResult, fused_linear_loss
+from .output_chunk import TermOut
 
 DEFAULT_CLAMP = 1e-5
 
@@ -59,6 +60,7 @@ class UnlikelihoodCandidates:
     position: torch.Tensor
     alpha: float = 1.0
     clamp: float = DEFAULT_CLAMP
+    _scalars: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)  # alpha, clamp
 
     def block_candidates(self, rows: slice, target: torch.Tensor):
         """(ids, valid) of a block of rows, (rows x L) each: row n's candidates are ``ids[n][valid[n]]``.
@@ -73,21 +75,36 @@ class UnlikelihoodCandidates:
         valid = before & (ids >= 0) & (ids != target)
         return torch.where(valid, ids, target), valid
 
-    def block_terms(self, exp_logits: torch.Tensor, exp_sum: torch.Tensor, rows: slice,
-                    target: torch.Tensor) -> PenaltyBlock:
-        """The UL term of a block of rows from exp(z - max z) and its row sums.
-
-        value[n] = sum_c -log(max(1 - p_c, clamp)) (before alpha), rate[n] = S_n, and the column
-        gradient r at the slots ``columns`` (0 on invalid and clamped slots): the logit gradient of
-        alpha * value is alpha * (scatter(r at columns) - rate * p). ``candidates`` counts |C_t|.
-        """
+    def tile_inputs(self, rows: slice, target: torch.Tensor, acc: torch.dtype) -> "PenaltyInputs":
+        """What the chunk body needs for the rows ``rows`` (targets ``target``): their candidate
+        slots, and alpha and the clamp as 0-d tensors."""
         ids, valid = self.block_candidates(rows, target)
-        p = exp_logits.gather(1, ids) / exp_sum.unsqueeze(1)
-        one_minus = (1.0 - p).clamp_(min=self.clamp)
-        unclamped = valid & (one_minus > self.clamp)
-        value = torch.where(valid, -torch.log(one_minus), torch.zeros_like(p)).sum(1)
-        coef = torch.where(unclamped, p / one_minus, torch.zeros_like(p))
-        return PenaltyBlock(value=value, rate=coef.sum(1), columns=ids, column_grad=coef, candidates=valid.sum())
+        if self._scalars is None or self._scalars[0].dtype != acc:
+            self._scalars = tuple(torch.tensor(x, dtype=acc, device=ids.device) for x in (self.alpha, self.clamp))
+        alpha, clamp = self._scalars
+        return PenaltyInputs(ids=ids, valid=valid, alpha=alpha, clamp=clamp)
+
+    @staticmethod
+    def tile_term(tile, inputs: "PenaltyInputs"):
+        """alpha * sum_c -log(max(1 - p_c, clamp)) per row of a logit tile and its gradient:
+        alpha * (r at the candidate columns - S p), r_c = p_c / (1 - p_c) on the unclamped
+        candidates, S = sum_c r_c (0 on invalid and clamped slots)."""
+        p = torch.exp(tile.z.gather(1, inputs.ids) - tile.lse)
+        one_minus = torch.clamp(1.0 - p, min=inputs.clamp)
+        unclamped = inputs.valid & (one_minus > inputs.clamp)
+        value = torch.where(inputs.valid, -torch.log(one_minus), torch.zeros_like(p)).sum(1)
+        ratio = torch.where(unclamped, p / one_minus, torch.zeros_like(p))
+        alpha = inputs.alpha
+        grad = (-alpha * ratio.sum(1, keepdim=True)) * tile.probs()
+        return TermOut(loss=alpha * value, value=value, grad=grad, columns=inputs.ids, column_grad=alpha * ratio,
+                       count=inputs.valid.sum(1))
+
+
+class PenaltyInputs(NamedTuple):
+    ids: torch.Tensor  # (rows, L) candidate columns; invalid slots hold the row's target
+    valid: torch.Tensor  # (rows, L)
+    alpha: torch.Tensor  # 0-d
+    clamp: torch.Tensor  # 0-d
 
 
 def unlikelihood_candidates(target: torch.Tensor, keep: torch.Tensor, pad: int, alpha: float = 1.0,
