@@ -77,6 +77,14 @@ TRAIN_CASES = [
     ("aug-scale-unknown", AUG + ["--aug-scale", "cube"], "--aug-scale"),
     ("aug-embed-unknown", AUG + ["--aug-embed", "both"], "--aug-embed"),
     ("aug-gate-without-agg", AUG + ["--aug-gate-with-agg"], ("--aug-gate-with-agg", "--criterion cross_entropy_agg")),
+    # --- the fused output layer's kernel
+    ("agg-output-kernel-unknown", AGG + ["--output-kernel", "triton"], "--output-kernel"),
+    ("aug-output-kernel-torch", AUG + ["--aug-alpha", "0.5", "--output-kernel", "torch"],
+     ("--output-kernel torch", "augmented loss")),
+    ("agg-aug-output-kernel-torch", AGG + ["--aug-alpha", "0.5", "--output-kernel", "torch"],
+     ("--output-kernel torch", "augmented loss")),
+    ("ul-output-kernel-torch", UL + ["--output-kernel", "torch"], ("--output-kernel torch", "unlikelihood")),
+    ("face-output-kernel-torch", FACE + ["--output-kernel", "torch"], ("--output-kernel torch", "FACE")),
     # --- unlikelihood, CosReg, FACE
     ("ul-alpha-inf", UL + ["--ul-alpha", "inf"], "--ul-alpha"),
     ("ul-alpha-nan", UL + ["--ul-alpha", "nan"], "--ul-alpha"),
@@ -121,6 +129,13 @@ TRAIN_CASES = [
     ("mlra-targets-unknown", MLRA + ["--attention-rank", "8", "--mlra-targets", "q,x"], "--mlra-targets"),
     ("mlra-mode-unknown", MLRA + ["--attention-rank", "8", "--mlra-mode", "diagonal"], "--mlra-mode"),
     ("mlra-init-unknown", MLRA + ["--attention-rank", "8", "--mlra-init", "ones"], "--mlra-init"),
+]
+
+# a foreign kernel that is not installed here is refused with the package to install
+TRAIN_CASES += [
+    (f"agg-output-kernel-{kernel}-missing", AGG + ["--output-kernel", kernel], (f"--output-kernel {kernel} needs", "pip install"))
+    for kernel, module in (("liger", "liger_kernel"), ("cce", "cut_cross_entropy"))
+    if importlib.util.find_spec(module) is None
 ]
 
 # FSDP is refused by the criterion, which fairseq-train builds inside FSDP's wrapping context: without

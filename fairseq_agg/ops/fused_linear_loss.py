@@ -22,15 +22,22 @@ the other way round):
   plus a scatter at those columns (docs/baselines.md, "UL");
 * ``frozen_rows`` (rare-token freezing): rows of the output-embedding gradient set to zero after
   the chunk loop (docs/baselines.md);
-* ``per_token``: per-token losses (fairseq's ``reduce=False``) instead of their sum.
+* ``per_token``: per-token losses (fairseq's ``reduce=False``) instead of their sum;
+* ``kernel``: how a chunk's element-wise work runs: ``auto`` (compiled where torch.compile can
+  generate code for the device, else eager), ``compiled`` or ``eager``; or ``torch`` / ``liger`` /
+  ``cce``, another fused cross-entropy that serves plain CE, smoothing, AGG and freezing
+  (:mod:`fairseq_agg.ops.foreign_kernels`).
 
-The logits ``Z = H W^T`` are computed once, chunk by chunk over the tokens; in the same pass the
-gradients ``dH = G W`` and ``dW = G_w^T H`` are formed and only they are kept, so no N x V tensor
-outlives a chunk (the fused linear-cross-entropy pattern; docs/agg.md, "How it is computed").
-Backward only scales the saved gradients by the incoming gradient; per-token losses, whose
-incoming gradient differs per token, are differentiated by a second pass that weights each row.
-Softmax and all loss arithmetic run in fp32 whatever the dtype of H and W; the matmuls run in the
-model dtype.
+The logits ``Z = H W^T`` are computed once, chunk by chunk over the tokens, into one reused buffer
+in the model dtype; the chunk body (:mod:`fairseq_agg.ops.output_chunk`: cross-entropy and the
+methods' terms composed into one pure function, one generated kernel when compiled) turns them, in
+place, into the logit gradient G (and AGG's gated G_w into a second buffer); then ``dH = G W`` and
+``dW += G_w^T H`` stay matmuls (cuBLAS/MKL), dW accumulated in fp32. Only dH and dW are kept, so no
+N x V tensor outlives a chunk (the fused linear-cross-entropy pattern; docs/agg.md, "How it is
+computed"). Backward only scales the saved gradients by the incoming gradient; per-token losses,
+whose incoming gradient differs per token, are differentiated by a second pass that weights each
+row. Softmax and all loss arithmetic run in fp32 (fp64 for fp64 inputs) whatever the dtype of H
+and W; the matmuls run in the model dtype.
 """
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Protocol
@@ -60,9 +67,9 @@ def _matmul_into(out, a, b, accumulate=False):
             out.copy_(product)
 
 
-# On a CPU, the element-wise work on a chunk's logits is done block by block, a block of rows small
-# enough (~4 MiB) to stay in cache across the dozen operations it goes through, so each chunk x V
-# buffer is read and written about once. On a GPU the whole chunk is one block (few kernel launches).
+# On a CPU the eager chunk body works block by block, a block of rows small enough (~4 MiB) that
+# the temporaries of its dozen operations stay in cache. On a GPU, and for the compiled body (one
+# kernel that keeps each row in registers or cache anyway), the whole chunk is one block.
 _CPU_BLOCK_BYTES = 1 << 22
 
 
