@@ -147,8 +147,12 @@ def test_gate_factor_is_the_hand_written_gate_matrix():
     problem = Problem(torch.float64)
     z = torch.randn(N, V, dtype=torch.float64)
     tile = Tile(z, problem.target, torch.float64, with_argmax=False)
-    factor = problem.gates.tile_gate(tile, problem.gates.tile_inputs(problem.target))
-    assert torch.equal(factor.double(), gate_matrix(problem.target, problem.gates).double())
+    inputs = problem.gates.tile_inputs(problem.target)
+    gamma = gate_matrix(problem.target, problem.gates).double()
+    assert torch.equal(problem.gates.tile_gate(tile, inputs).double(), gamma)  # the body's factor
+    in_place = z.clone()
+    problem.gates.gate_in_place(in_place, problem.target)  # the pass after dH (on a CPU)
+    assert torch.equal(in_place, gamma * z)
 
 
 def _fresh_compiles():
@@ -195,14 +199,17 @@ def _symbol_values(code):
 @pytest.mark.parametrize("case", ["ls", "agg+ls", "al", "agg+al", "facepost", "ul"])
 def test_generated_code_is_one_kernel_without_fp32_chunk_by_vocab_buffers(case):
     codes = _generated_code(case, torch.bfloat16)
-    assert len(codes) == 1  # one graph: the chunk body (the matmuls stay outside, in MKL)
-    code = codes[0]
-    kernels = set(re.findall(r"\b(cpp_fused_\w+)\(", code))
-    # unlikelihood's scatter at its candidate columns is a second, small kernel plus a copy back
-    assert len(kernels) == (2 if case == "ul" else 1), sorted(kernels)
-    symbols = _symbol_values(code)
-    assert V in symbols.values(), "the vocabulary's symbol was not found in the generated module"
-    for shape, dtype in re.findall(r"empty_strided_cpu\(\(([^)]*)\), \([^)]*\), torch\.(\w+)\)", code):
-        dims = [d.strip() for d in shape.split(",") if d.strip()]
-        if dtype == "float32" and len(dims) == 2:
-            assert symbols.get(dims[1]) != V, f"an fp32 rows x V buffer ({shape}) in the bf16 body of {case}"
+    # one graph, the chunk body (the matmuls stay outside, in MKL); on a CPU AGG's gate is a second
+    # graph, an in-place pass after dH (fused_linear_loss.gate_after_dh), except with a teacher
+    # kept apart from the gate, whose body writes G and G_w
+    gate_pass = case == "agg+ls"
+    assert len(codes) == (2 if gate_pass else 1)
+    for code in codes:
+        kernels = set(re.findall(r"\b(cpp_fused_\w+)\(", code))
+        assert len(kernels) == 1, sorted(kernels)
+        symbols = _symbol_values(code)
+        assert V in symbols.values(), "the vocabulary's symbol was not found in the generated module"
+        for shape, dtype in re.findall(r"empty_strided_cpu\(\(([^)]*)\), \([^)]*\), torch\.(\w+)\)", code):
+            dims = [d.strip() for d in shape.split(",") if d.strip()]
+            if dtype == "float32" and len(dims) == 2:
+                assert symbols.get(dims[1]) != V, f"an fp32 rows x V buffer ({shape}) in the bf16 code of {case}"

@@ -54,6 +54,22 @@ class TokenGates:
         return torch.where(rare_rows, own_or_g2, inputs.g1.unsqueeze(0))
 
 
+    @staticmethod
+    def scale_rows_(grad: torch.Tensor, inputs: "GateInputs") -> None:
+        """Every row of ``grad`` times its g1 or g2 vector, in place (the one pass over the chunk
+        of :meth:`gate_in_place`)."""
+        grad.mul_(torch.where(inputs.rare_target.unsqueeze(1), inputs.g2.unsqueeze(0), inputs.g1.unsqueeze(0)))
+
+    def gate_in_place(self, grad: torch.Tensor, target: torch.Tensor, scale_rows_=None) -> None:
+        """G_w = Gamma * G over a written chunk gradient, in place: :meth:`scale_rows_` (or the
+        given version of it), then each row's own target column put back. A non-rare target's
+        g1 is 1, so this is Gamma exactly, without the per-element comparison with the target,
+        which halves the pass on a CPU."""
+        own = grad.gather(1, target.unsqueeze(1))
+        (scale_rows_ or self.scale_rows_)(grad, self.tile_inputs(target))
+        grad.scatter_(1, target.unsqueeze(1), own)
+
+
 class GateInputs(NamedTuple):
     g1: torch.Tensor  # (V,)
     g2: torch.Tensor  # (V,)

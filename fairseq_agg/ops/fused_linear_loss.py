@@ -47,7 +47,9 @@ import torch
 from fairseq_agg.errors import check_number
 
 from .checks import check_choice, check_integer
-from .output_chunk import BodyPlan, note_compile_failure, resolve_kernel, run_chunk_body, smoothing_weights
+from .output_chunk import (
+    BodyPlan, add_columns, note_compile_failure, resolve_kernel, run_chunk_body, run_gate_in_place, smoothing_weights,
+)
 from .foreign_kernels import FOREIGN_KERNELS, foreign_linear_loss
 from .output_chunk import KERNELS as OUTPUT_KERNELS
 
@@ -110,6 +112,8 @@ class GradientGates(Protocol):
     def tile_inputs(self, target: torch.Tensor): ...
 
     tile_gate: Callable  # (tile, inputs) -> the (rows x V) factor that turns G into G_w
+    def gate_in_place(self, grad: torch.Tensor, target: torch.Tensor, scale_rows_=None) -> None:
+        """G_w over G in place, a pass of its own after dH (on a CPU)."""
 
 
 class Teacher(Protocol):
@@ -199,13 +203,25 @@ class _Pass(NamedTuple):
     grad_weight: Optional[torch.Tensor]
 
 
-def body_plan(request: LossRequest, acc: torch.dtype, needs_grad: bool, row_scale: bool) -> BodyPlan:
+def gate_after_dh(request: LossRequest, device: torch.device, needs_grad: bool) -> bool:
+    """Whether AGG's gate runs as an in-place pass after dH = G W instead of as the body's second
+    output. On a CPU a second chunk x V buffer costs page faults at every call (here a fresh
+    256 MiB buffer takes about 0.09 s to write, an in-place pass over one 0.02 s); on a GPU the
+    caching allocator keeps it, and the second output saves that pass's read. A teacher kept apart
+    from the gate needs the second output everywhere (G_w = Gamma * G_CE + G_AL)."""
+    teacher = request.teacher
+    return (request.gates is not None and needs_grad and device.type == "cpu"
+            and (teacher is None or teacher.gate_with_agg))
+
+
+def body_plan(request: LossRequest, acc: torch.dtype, needs_grad: bool, row_scale: bool,
+              gate_in_body: bool) -> BodyPlan:
     """The static shape of the chunk body for ``request`` (one compiled graph per plan)."""
     teacher = request.teacher
     return BodyPlan(
         acc=acc, smoothing=request.label_smoothing > 0, needs_grad=needs_grad,
         row_scale=row_scale, argmax=request.needs_argmax,
-        gate=None if request.gates is None else type(request.gates).tile_gate,
+        gate=type(request.gates).tile_gate if gate_in_body else None,
         row_weight=None if request.row_weights is None else request.row_weights.tile_row_weight,
         teacher=None if teacher is None else type(teacher).tile_term,
         teacher_gated=teacher is None or teacher.gate_with_agg,
@@ -240,9 +256,11 @@ def _output_layer_pass(hidden, weight, target, request: LossRequest, needs_grad,
     # One spare row: every chunk is then a strict part of its buffer, so the compiled body sees the
     # same view relation for full and partial chunks (else Dynamo compiles a second graph for the last).
     logits_buf = torch.empty((rows + 1, vocab), dtype=logit_dtype, device=hidden.device)
-    gated_buf = torch.empty_like(logits_buf) if needs_grad and gates is not None else None
+    gate_after = gate_after_dh(request, hidden.device, needs_grad)
+    gate_in_body = needs_grad and gates is not None and not gate_after
+    gated_buf = torch.empty_like(logits_buf) if gate_in_body else None
     block = rows if kernel == "compiled" else block_rows(hidden.device, vocab, acc, rows)
-    plan = body_plan(request, acc, needs_grad, row_scale is not None)
+    plan = body_plan(request, acc, needs_grad, row_scale is not None, gate_in_body)
     smoothing = smoothing_weights(request.label_smoothing, vocab, acc, hidden.device)
     weight_t = weight.t()
 
@@ -257,12 +275,16 @@ def _output_layer_pass(hidden, weight, target, request: LossRequest, needs_grad,
             args = (
                 z, y, smoothing, None if row_scale is None else row_scale[b:e], z,
                 None if gated_buf is None else gated_buf[b - start : e - start],
-                None if gates is None else gates.tile_inputs(y),
+                gates.tile_inputs(y) if gate_in_body else None,
                 None if row_weights is None else row_weights.tile_inputs(y),
                 None if teacher is None else teacher.tile_inputs(slice(b, e), acc),
                 None if penalty is None else penalty.tile_inputs(slice(b, e), y, acc),
             )
             values, kernel = _run_body(kernel, request.kernel, plan, args, hidden.device)
+            if values.columns is not None:
+                add_columns(z, values.columns, values.column_grad)
+                if values.gated_column_grad is not None:
+                    add_columns(gated_buf[b - start : e - start], values.columns, values.gated_column_grad)
             if per_token:
                 token_loss[b:e] = values.loss
                 token_nll[b:e] = values.nll
@@ -279,6 +301,8 @@ def _output_layer_pass(hidden, weight, target, request: LossRequest, needs_grad,
                 argmax[b:e] = values.argmax
         if needs_grad:  # dH from the un-gated G, dW from the gated one (docs/agg.md (A6))
             _matmul_into(grad_hidden[start:stop], z_chunk, weight)
+            if gate_after:
+                run_gate_in_place(kernel, gates, z_chunk, target[start:stop])
             for_weight = z_chunk if gated_buf is None else gated_buf[: stop - start]
             _matmul_into(grad_weight, for_weight.t(), h, accumulate=True)
 

@@ -36,14 +36,23 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-class Tile:
+class TargetColumns:
+    """Each row's target as a comparison with the column index (rows x V, never materialised when
+    compiled): one-hot and smoothed targets, and AGG's own-column exception, without a scatter."""
+
+    def __init__(self, target: torch.Tensor, vocab: int):
+        self.target = target
+        self.columns = torch.arange(vocab, device=target.device)
+        self.is_target = self.columns.unsqueeze(0) == target.unsqueeze(1)
+
+
+class Tile(TargetColumns):
     """A chunk of logits as every term sees it: ``z`` (rows x V) in the accumulation dtype, the
-    targets, the row maximum and log-sum-exp (rows x 1), and the comparisons that build one-hot
-    and smoothed targets without a scatter."""
+    targets, the row maximum and log-sum-exp (rows x 1)."""
 
     def __init__(self, z: torch.Tensor, target: torch.Tensor, acc: torch.dtype, with_argmax: bool):
+        super().__init__(target, z.size(1))
         self.z = z.to(acc)
-        self.target = target
         if with_argmax:
             row_max, self.argmax = self.z.max(dim=1, keepdim=True)
             self.argmax = self.argmax.squeeze(1)
@@ -51,8 +60,6 @@ class Tile:
             row_max, self.argmax = self.z.amax(dim=1, keepdim=True), None
         self.row_max = row_max
         self.lse = row_max + torch.exp(self.z - row_max).sum(dim=1, keepdim=True).log()
-        self.columns = torch.arange(z.size(1), device=z.device)
-        self.is_target = self.columns.unsqueeze(0) == target.unsqueeze(1)
 
     @property
     def vocab(self) -> int:
@@ -89,6 +96,11 @@ class RowValues(NamedTuple):
     candidates: Optional[torch.Tensor]
     row_weight: Optional[torch.Tensor]
     argmax: Optional[torch.Tensor]
+    # a term's sparse columns (rows x L) and what they add to G and to G_w, for the caller to add in
+    # place after the body: inside a compiled graph the scatter would copy the whole chunk
+    columns: Optional[torch.Tensor] = None
+    column_grad: Optional[torch.Tensor] = None
+    gated_column_grad: Optional[torch.Tensor] = None
 
 
 class BodyPlan(NamedTuple):
@@ -132,15 +144,6 @@ def cross_entropy_grad(tile: Tile, smoothing: Optional[torch.Tensor]) -> torch.T
     if smoothing is None:
         return tile.probs() - tile.is_target.to(tile.z.dtype)
     return tile.probs() - torch.where(tile.is_target, smoothing[0] + smoothing[1], smoothing[1])
-
-
-def _write(out: torch.Tensor, dense: torch.Tensor, columns=None, column_grad=None):
-    """Writes ``dense`` into ``out`` (model dtype) and adds a term's sparse columns there. Added in
-    the model dtype: gathering the dense expression at the columns instead would make Inductor
-    store it whole, an fp32 chunk x V buffer."""
-    out.copy_(dense.to(out.dtype))
-    if columns is not None:
-        out.scatter_add_(1, columns, column_grad.to(out.dtype))
 
 
 def chunk_body(plan: BodyPlan, z, target, smoothing, row_scale, grad_out, grad_weight_out,
@@ -187,6 +190,7 @@ def chunk_body(plan: BodyPlan, z, target, smoothing, row_scale, grad_out, grad_w
         if column_grad is not None:
             column_grad = column_grad * scale
 
+    gated_columns = None
     if plan.gate is not None:
         factor = plan.gate(tile, gate_inputs)
         grad_weight = gated_part * factor
@@ -195,9 +199,15 @@ def chunk_body(plan: BodyPlan, z, target, smoothing, row_scale, grad_out, grad_w
         if scale is not None:
             grad_weight = grad_weight * scale
         gated_columns = None if columns is None else factor.gather(1, columns) * column_grad
-        _write(grad_weight_out, grad_weight, columns, gated_columns)
-    _write(grad_out, grad, columns, column_grad)
-    return values
+        grad_weight_out.copy_(grad_weight.to(grad_weight_out.dtype))
+    grad_out.copy_(grad.to(grad_out.dtype))
+    return values._replace(columns=columns, column_grad=column_grad, gated_column_grad=gated_columns)
+
+
+def add_columns(out: torch.Tensor, columns: torch.Tensor, column_grad: torch.Tensor):
+    """Adds a term's sparse column gradient to a written chunk gradient, in place (duplicate ids
+    carry zeros)."""
+    out.scatter_add_(1, columns, column_grad.to(out.dtype))
 
 
 # --- eager or compiled ---------------------------------------------------------------------------
@@ -223,6 +233,7 @@ def compile_unavailable(device: torch.device) -> Optional[str]:
 
 
 MAX_GRAPHS = 64
+EAGER_BLOCK_ELEMENTS = 1 << 20  # rows x V of an eager block of a gate pass (4 MiB in fp32)
 _compiled: Dict[BodyPlan, Callable] = {}
 _fallen_back: Dict[str, str] = {}
 
@@ -263,14 +274,38 @@ def describe_kernel(kernel: str, device: torch.device) -> str:
 
 
 def run_chunk_body(kernel: str, plan: BodyPlan, *args) -> RowValues:
-    """Runs the body with ``kernel`` (``eager`` or ``compiled``, from :func:`resolve_kernel`). A
-    compilation that fails under ``auto`` is reported once and the process continues eagerly."""
+    """Runs the body with ``kernel`` (``eager`` or ``compiled``, from :func:`resolve_kernel`)."""
     if kernel == "eager":
         return chunk_body(plan, *args)
     # every plan is a graph of the same code object (chunk_body), and Dynamo caps the graphs per
     # code object (8 by default): a process with many method combinations would fall back to eager
     with torch._dynamo.config.patch(recompile_limit=MAX_GRAPHS):
         return _compiled_body(plan)(*args)
+
+
+_compiled_gates: Dict[Callable, Callable] = {}
+
+
+def run_gate_in_place(kernel: str, gates, grad: torch.Tensor, target: torch.Tensor):
+    """``gates.gate_in_place`` over a written chunk gradient (AGG after dH = G W; see
+    ``gate_after_dh`` in fused_linear_loss), its pass over the chunk compiled, or eager through
+    cache-sized blocks of rows so that its temporaries stay small."""
+    scale_rows_ = type(gates).scale_rows_
+    if kernel == "compiled":
+        compiled = _compiled_gates.get(scale_rows_)
+        if compiled is None:
+            compiled = _compiled_gates[scale_rows_] = torch.compile(scale_rows_, dynamic=True, fullgraph=True)
+
+        def scale(block, inputs):
+            with torch._dynamo.config.patch(recompile_limit=MAX_GRAPHS):
+                compiled(block, inputs)
+    else:
+        def scale(block, inputs):
+            step = max(1, EAGER_BLOCK_ELEMENTS // block.size(1))
+            for start in range(0, block.size(0), step):
+                rows = slice(start, start + step)
+                scale_rows_(block[rows], inputs._replace(rare_target=inputs.rare_target[rows]))
+    gates.gate_in_place(grad, target, scale)
 
 
 def note_compile_failure(device: torch.device, error: BaseException):
