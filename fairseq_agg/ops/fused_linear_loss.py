@@ -264,8 +264,7 @@ def _output_layer_pass(hidden, weight, target, request: LossRequest, needs_grad,
     smoothing = smoothing_weights(request.label_smoothing, vocab, acc, hidden.device)
     weight_t = weight.t()
 
-    for start in range(0, n_rows, chunk_size):
-        stop = min(start + chunk_size, n_rows)
+    for start, stop in chunk_bounds(n_rows, chunk_size):
         h = hidden[start:stop]
         z_chunk = logits_buf[: stop - start]
         _matmul_into(z_chunk, h, weight_t)  # the only logits matmul
@@ -313,6 +312,15 @@ def _output_layer_pass(hidden, weight, target, request: LossRequest, needs_grad,
         aug_kl=sums["aug_kl"], penalty=sums["penalty"], penalty_candidates=candidate_count,
         row_weight_sum=sums["row_weight"], argmax=argmax, grad_hidden=grad_hidden, grad_weight=grad_weight,
     )
+
+
+def chunk_bounds(n_rows: int, chunk_size: int):
+    """(start, stop) of each chunk: ``chunk_size`` rows, the last the rest, but never a chunk of one
+    row after others (the one before gives it a row): a compiled body specialises on a size of 1."""
+    bounds = [(start, min(start + chunk_size, n_rows)) for start in range(0, n_rows, chunk_size)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1 and chunk_size > 1:
+        bounds[-2:] = [(bounds[-2][0], bounds[-2][1] - 1), (bounds[-1][0] - 1, bounds[-1][1])]
+    return bounds
 
 
 def _run_body(kernel: str, asked: str, plan: BodyPlan, args, device):

@@ -27,11 +27,13 @@ plan (a chunk of a single row specialises once more); a plan is the static shape
 composition (:class:`BodyPlan`), so a process compiles one graph per method combination, dtype and
 grad mode, the first time it is used.
 """
+import contextlib
 import logging
 import shutil
 from typing import Callable, Dict, NamedTuple, Optional
 
 import torch
+import torch.fx.experimental._config as fx_config
 
 logger = logging.getLogger(__name__)
 
@@ -273,13 +275,23 @@ def describe_kernel(kernel: str, device: torch.device) -> str:
     return f"eager chunk body ({why})"
 
 
+def _compile_settings():
+    """Dynamo's settings for the chunk body. Every plan is a graph of the same code object
+    (chunk_body), and Dynamo caps the graphs per code object (8 by default): a process with many
+    method combinations would fall back to eager. Duck sizing would tie sizes that happen to be
+    equal in the first call (a chunk's rows and the batch's, a width of 2) and compile again when
+    they differ."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._dynamo.config.patch(recompile_limit=MAX_GRAPHS))
+    stack.enter_context(fx_config.patch(use_duck_shape=False))
+    return stack
+
+
 def run_chunk_body(kernel: str, plan: BodyPlan, *args) -> RowValues:
     """Runs the body with ``kernel`` (``eager`` or ``compiled``, from :func:`resolve_kernel`)."""
     if kernel == "eager":
         return chunk_body(plan, *args)
-    # every plan is a graph of the same code object (chunk_body), and Dynamo caps the graphs per
-    # code object (8 by default): a process with many method combinations would fall back to eager
-    with torch._dynamo.config.patch(recompile_limit=MAX_GRAPHS):
+    with _compile_settings():
         return _compiled_body(plan)(*args)
 
 
@@ -297,7 +309,7 @@ def run_gate_in_place(kernel: str, gates, grad: torch.Tensor, target: torch.Tens
             compiled = _compiled_gates[scale_rows_] = torch.compile(scale_rows_, dynamic=True, fullgraph=True)
 
         def scale(block, inputs):
-            with torch._dynamo.config.patch(recompile_limit=MAX_GRAPHS):
+            with _compile_settings():
                 compiled(block, inputs)
     else:
         def scale(block, inputs):
