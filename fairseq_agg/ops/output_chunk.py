@@ -30,6 +30,7 @@ grad mode, the first time it is used.
 import contextlib
 import logging
 import shutil
+import types
 from typing import Callable, Dict, NamedTuple, Optional
 
 import torch
@@ -234,20 +235,23 @@ def compile_unavailable(device: torch.device) -> Optional[str]:
     return f"the chunk body is compiled on cpu and cuda only, not on {device.type}"
 
 
-MAX_GRAPHS = 64
+MAX_GRAPHS = 4096
 EAGER_BLOCK_ELEMENTS = 1 << 20  # rows x V of an eager block of a gate pass (4 MiB in fp32)
 _compiled: Dict[BodyPlan, Callable] = {}
 _fallen_back: Dict[str, str] = {}
 
 
 def _compiled_body(plan: BodyPlan) -> Callable:
+    """The compiled chunk body of ``plan``, called as ``body(plan, *args)``. Each plan gets a code
+    object of its own: Dynamo keeps, and caps, the graphs per code object, so plans sharing
+    chunk_body's would crowd each other out of that cap in a process that uses many of them."""
     body = _compiled.get(plan)
     if body is None:
-        def planned(*args):
-            return chunk_body(plan, *args)
-
+        name = f"chunk_body_{len(_compiled)}"
+        code = chunk_body.__code__.replace(co_name=name, co_qualname=name)
+        own = types.FunctionType(code, chunk_body.__globals__, name)
         # dynamic: the rows of a chunk (and V, and a teacher's or penalty's widths) vary without recompiling
-        body = _compiled[plan] = torch.compile(planned, dynamic=True, fullgraph=True)
+        body = _compiled[plan] = torch.compile(own, dynamic=True, fullgraph=True)
     return body
 
 
@@ -276,13 +280,11 @@ def describe_kernel(kernel: str, device: torch.device) -> str:
 
 
 def _compile_settings():
-    """Dynamo's settings for the chunk body. Every plan is a graph of the same code object
-    (chunk_body), and Dynamo caps the graphs per code object (8 by default): a process with many
-    method combinations would fall back to eager. Duck sizing would tie sizes that happen to be
-    equal in the first call (a chunk's rows and the batch's, a width of 2) and compile again when
-    they differ."""
+    """Dynamo's settings for the chunk body: no duck sizing, which would tie sizes that happen to
+    be equal in the first call (a chunk's rows and the batch's, a width of 2) and compile again
+    when they differ; and room for a process's many plans under Dynamo's cap on all its graphs."""
     stack = contextlib.ExitStack()
-    stack.enter_context(torch._dynamo.config.patch(recompile_limit=MAX_GRAPHS))
+    stack.enter_context(torch._dynamo.config.patch(accumulated_recompile_limit=MAX_GRAPHS))
     stack.enter_context(fx_config.patch(use_duck_shape=False))
     return stack
 
@@ -292,7 +294,7 @@ def run_chunk_body(kernel: str, plan: BodyPlan, *args) -> RowValues:
     if kernel == "eager":
         return chunk_body(plan, *args)
     with _compile_settings():
-        return _compiled_body(plan)(*args)
+        return _compiled_body(plan)(plan, *args)
 
 
 _compiled_gates: Dict[Callable, Callable] = {}
