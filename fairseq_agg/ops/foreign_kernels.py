@@ -24,6 +24,7 @@ target 1 - eps and the rest eps / (V - 1); the two are the same distribution). A
 Freezing zeroes rows of dW afterwards, as in the package's own layer. What these kernels cannot
 do (a teacher, row weights, a penalty, an argmax; CCE: label smoothing) is refused in one line.
 """
+import importlib
 from typing import Callable, Optional
 
 import torch
@@ -53,30 +54,24 @@ def _torch_kernel() -> Callable:
     return per_row
 
 
-def _liger_kernel() -> Callable:
+def _installed(kernel: str, package: str, module: str, name: str) -> Callable:
+    """``module.name`` of an optional package, or a UsageError naming the flag and the package."""
     try:
-        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+        return getattr(importlib.import_module(module), name)
     except Exception as error:  # not installed, or no Triton
-        raise UsageError(f"--output-kernel liger needs Liger-Kernel (pip install liger-kernel): "
+        raise UsageError(f"--output-kernel {kernel} needs {package} (pip install {package}): "
                          f"{type(error).__name__}: {error}") from None
 
-    def per_row(hidden, weight, target, epsilon):
-        return liger_fused_linear_cross_entropy(hidden, weight, target, label_smoothing=epsilon, reduction="none")
 
-    return per_row
+def _liger_kernel() -> Callable:
+    fused = _installed("liger", "liger-kernel", "liger_kernel.transformers.functional", "liger_fused_linear_cross_entropy")
+    return lambda hidden, weight, target, epsilon: fused(hidden, weight, target, label_smoothing=epsilon,
+                                                         reduction="none")
 
 
 def _cce_kernel() -> Callable:
-    try:
-        from cut_cross_entropy import linear_cross_entropy
-    except Exception as error:  # not installed, or no Triton
-        raise UsageError(f"--output-kernel cce needs cut-cross-entropy (pip install cut-cross-entropy): "
-                         f"{type(error).__name__}: {error}") from None
-
-    def per_row(hidden, weight, target, epsilon):
-        return linear_cross_entropy(hidden, weight, target, reduction="none")
-
-    return per_row
+    fused = _installed("cce", "cut-cross-entropy", "cut_cross_entropy", "linear_cross_entropy")
+    return lambda hidden, weight, target, epsilon: fused(hidden, weight, target, reduction="none")
 
 
 _LOADERS = {"torch": _torch_kernel, "liger": _liger_kernel, "cce": _cce_kernel}
