@@ -8,7 +8,9 @@ per-column vectors (:class:`Tile`, :class:`TermOut`):
 * a **term** (the augmented loss's teacher, unlikelihood's penalty) adds a per-row loss, a logged
   per-row value and a logit-gradient expression, plus optional sparse columns;
 * a **row weight** (FACE) scales each row's cross-entropy and its gradient;
-* a **gate** (AGG) turns the logit gradient into the one that forms dW; dH is never gated.
+* a **gate** (AGG) turns the logit gradient into the one that forms dW; dH is never gated. The
+  body writes both where the caller asks (a GPU); on a CPU the caller gates in place after dH
+  instead (:func:`run_gate_in_place`; why: ``gate_after_dh`` in fused_linear_loss).
 
 Each method object says what it needs from a chunk (``tile_inputs``: index work of O(rows) done
 outside the body, scalars as 0-d tensors so that a changing weight never recompiles) and supplies
@@ -23,7 +25,8 @@ owns. Compiled, the expressions stay in registers: in bf16/fp16 no fp32 chunk x 
 ``exp(z - max)`` and makes Inductor store it as an fp32 chunk x V buffer.
 
 Compilation: all dimensions are dynamic, so fairseq's varying batch sizes compile once per body
-plan (a chunk of a single row specialises once more); a plan is the static shape of the
+plan (a batch of a single target specialises once more; the chunking never leaves a one-row chunk
+after others); a plan is the static shape of the
 composition (:class:`BodyPlan`), so a process compiles one graph per method combination, dtype and
 grad mode, the first time it is used.
 """
