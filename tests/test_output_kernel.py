@@ -162,8 +162,9 @@ def _fresh_compiles():
 
 
 def test_twenty_batch_sizes_compile_at_most_two_graphs_per_dtype():
-    """One dynamic graph per dtype; a second only for a batch of a single target (a compiled body
-    specialises on a size of 1; a chunking never leaves a one-row chunk after others)."""
+    """No recompilation across batch sizes: one dynamic graph per dtype, a second only for a batch
+    of a single target (a compiled body specialises on a size of 1; the chunking never leaves a
+    one-row chunk after others)."""
     g = torch.Generator().manual_seed(5)
     # 20 distinct N for chunks of 64: 65, 129 and 257 have a one-row remainder; the last is a single target
     sizes = [2, 3, 7, 16, 31, 63, 64, 65, 100, 127, 128, 129, 150, 191, 200, 255, 256, 257, 300, 1]
