@@ -19,6 +19,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_l
 
 from fairseq_agg.ops.agg_gates import agg_gates
 from fairseq_agg.ops.counting import target_histogram
+from fairseq_agg.ops.foreign_kernels import torch_smoothing
 
 PAD, NSPECIAL = 1, 4  # fairseq's Dictionary: <s>=0, <pad>=1, </s>=2, <unk>=3
 MIB = float(1 << 20)
@@ -123,8 +124,9 @@ def torch_label_smoothing(epsilon: float, vocab: int) -> float:
     """fairseq's label smoothing ``epsilon`` in PyTorch's convention. fairseq gives the target
     1 - eps and every other class eps / (V - 1) (``label_smoothed_nll_loss``); PyTorch mixes in the
     uniform distribution, eps' / V on every class, the target included. The same target
-    distribution, and so the same loss and gradients, has eps' = eps V / (V - 1)."""
-    return epsilon * vocab / (vocab - 1)
+    distribution, and so the same loss and gradients, has eps' = eps V / (V - 1) (the package's
+    own conversion for its foreign kernels)."""
+    return torch_smoothing(epsilon, vocab)
 
 
 def torch_linear_ce_missing():

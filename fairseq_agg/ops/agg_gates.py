@@ -53,7 +53,6 @@ class TokenGates:
         own_or_g2 = torch.where(tile.is_target, torch.ones_like(inputs.g2), inputs.g2.unsqueeze(0))
         return torch.where(rare_rows, own_or_g2, inputs.g1.unsqueeze(0))
 
-
     @staticmethod
     def scale_rows_(grad: torch.Tensor, inputs: "GateInputs") -> None:
         """Every row of ``grad`` times its g1 or g2 vector, in place (the one pass over the chunk

@@ -105,22 +105,26 @@ def load_foreign_kernel(kernel: str) -> Callable:
     return _LOADERS[kernel]()
 
 
+def _target_and_summed_logits(hidden, weight, target, acc):
+    """z_{n, y_n} = h_n . w_{y_n} and sum_k z_{n, k} = h_n . sum_k w_k of every row, in ``acc``; O(N d)."""
+    h, w = hidden.to(acc), weight.to(acc)
+    return (h * w.index_select(0, target)).sum(dim=1), h @ w.sum(dim=0)
+
+
 def target_column_correction(hidden_b, weight, target_b, row_loss_b, epsilon_torch, g2, row_scale_b=None):
     """The last sum of the module docstring: (V, d) with rows sum_{n in B, y_n = k} (1 - g2_k) G[n, k] h_n,
     from the rare-target rows' features, targets and per-row losses; O(N_B d)."""
     vocab = weight.size(0)
     acc = row_loss_b.dtype if row_loss_b.dtype == torch.float64 else torch.float32
-    h, w = hidden_b.to(acc), weight.to(acc)
-    target_logit = (h * w.index_select(0, target_b)).sum(dim=1)
-    lse = row_loss_b.to(acc) + (1 - epsilon_torch) * target_logit
-    if epsilon_torch > 0:
-        lse = lse + (epsilon_torch / vocab) * (h @ w.sum(dim=0))
+    target_logit, logit_sum = _target_and_summed_logits(hidden_b, weight, target_b, acc)
+    lse = row_loss_b.to(acc) + (1 - epsilon_torch) * target_logit + (epsilon_torch / vocab) * logit_sum
     on_target = 1 - epsilon_torch + epsilon_torch / vocab  # Q at the target, = 1 - eps in fairseq's terms
     grad_at_target = torch.exp(target_logit - lse) - on_target
     coef = (1 - g2.to(acc).index_select(0, target_b)) * grad_at_target
     if row_scale_b is not None:
         coef = coef * row_scale_b.to(acc)
-    return torch.zeros(weight.shape, dtype=acc, device=weight.device).index_add_(0, target_b, coef.unsqueeze(1) * h)
+    return torch.zeros(weight.shape, dtype=acc, device=weight.device).index_add_(
+        0, target_b, coef.unsqueeze(1) * hidden_b.to(acc))
 
 
 class _ForeignLinearLoss(torch.autograd.Function):
@@ -194,8 +198,6 @@ def foreign_linear_loss(hidden, weight, target, request):
         nll = row_loss.detach()
         epsilon = torch_smoothing(request.label_smoothing, weight.size(0))
         if epsilon > 0:  # nll = loss - eps' z_y + (eps' / V) sum_k z_k (module docstring)
-            acc = nll.dtype
-            h, w = hidden.detach().to(acc), weight.detach().to(acc)
-            target_logit = (h * w.index_select(0, target)).sum(dim=1)
-            nll = nll - epsilon * target_logit + (epsilon / weight.size(0)) * (h @ w.sum(dim=0))
+            target_logit, logit_sum = _target_and_summed_logits(hidden.detach(), weight.detach(), target, nll.dtype)
+            nll = nll - epsilon * target_logit + (epsilon / weight.size(0)) * logit_sum
     return row_loss, nll

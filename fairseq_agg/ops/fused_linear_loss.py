@@ -47,11 +47,11 @@ import torch
 from fairseq_agg.errors import check_number
 
 from .checks import check_choice, check_integer
+from .foreign_kernels import FOREIGN_KERNELS, foreign_linear_loss
+from .output_chunk import KERNELS as OUTPUT_KERNELS
 from .output_chunk import (
     BodyPlan, add_columns, note_compile_failure, resolve_kernel, run_chunk_body, run_gate_in_place, smoothing_weights,
 )
-from .foreign_kernels import FOREIGN_KERNELS, foreign_linear_loss
-from .output_chunk import KERNELS as OUTPUT_KERNELS
 
 
 def _matmul_into(out, a, b, accumulate=False):
@@ -301,7 +301,7 @@ def _output_layer_pass(hidden, weight, target, request: LossRequest, needs_grad,
         if needs_grad:  # dH from the un-gated G, dW from the gated one (docs/agg.md (A6))
             _matmul_into(grad_hidden[start:stop], z_chunk, weight)
             if gate_after:
-                run_gate_in_place(kernel, gates, z_chunk, target[start:stop])
+                run_gate_in_place(kernel, gates, z_chunk, target[start:stop], block)
             for_weight = z_chunk if gated_buf is None else gated_buf[: stop - start]
             _matmul_into(grad_weight, for_weight.t(), h, accumulate=True)
 

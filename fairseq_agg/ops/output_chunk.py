@@ -239,7 +239,6 @@ def compile_unavailable(device: torch.device) -> Optional[str]:
 
 
 MAX_GRAPHS = 4096
-EAGER_BLOCK_ELEMENTS = 1 << 20  # rows x V of an eager block of a gate pass (4 MiB in fp32)
 _compiled: Dict[BodyPlan, Callable] = {}
 _fallen_back: Dict[str, str] = {}
 
@@ -303,10 +302,11 @@ def run_chunk_body(kernel: str, plan: BodyPlan, *args) -> RowValues:
 _compiled_gates: Dict[Callable, Callable] = {}
 
 
-def run_gate_in_place(kernel: str, gates, grad: torch.Tensor, target: torch.Tensor):
+def run_gate_in_place(kernel: str, gates, grad: torch.Tensor, target: torch.Tensor, eager_block: int):
     """``gates.gate_in_place`` over a written chunk gradient (AGG after dH = G W; see
     ``gate_after_dh`` in fused_linear_loss), its pass over the chunk compiled, or eager through
-    cache-sized blocks of rows so that its temporaries stay small."""
+    blocks of ``eager_block`` rows (the eager body's cache-sized blocks) so that its temporaries
+    stay small."""
     scale_rows_ = type(gates).scale_rows_
     if kernel == "compiled":
         compiled = _compiled_gates.get(scale_rows_)
@@ -318,9 +318,8 @@ def run_gate_in_place(kernel: str, gates, grad: torch.Tensor, target: torch.Tens
                 compiled(block, inputs)
     else:
         def scale(block, inputs):
-            step = max(1, EAGER_BLOCK_ELEMENTS // block.size(1))
-            for start in range(0, block.size(0), step):
-                rows = slice(start, start + step)
+            for start in range(0, block.size(0), eager_block):
+                rows = slice(start, start + eager_block)
                 scale_rows_(block[rows], inputs._replace(rare_target=inputs.rare_target[rows]))
     gates.gate_in_place(grad, target, scale)
 
