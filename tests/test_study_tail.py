@@ -154,7 +154,8 @@ def test_tail_runs_three_seeds_of_the_main_methods_and_one_of_the_others():
     seeds = {}
     for s in specs:
         seeds.setdefault(s.name, []).append(s.seed)
-    assert {n for n, v in seeds.items() if v == [1, 2, 3]} == {"baseline", "agg", "freeze", "coupled-adam"}
+    assert {n for n, v in seeds.items() if v == [1, 2, 3]} == {"baseline", "agg", "freeze", "coupled-adam", "agg-pu",
+                                                               "freeze-group"}
     assert {n for n, v in seeds.items() if v == [1]} == set(P.TAIL_ONE_SEED)
     by_name = {s.name: s for s in specs}
     budget = P.BUDGET["tail"]["default"]
@@ -162,6 +163,14 @@ def test_tail_runs_three_seeds_of_the_main_methods_and_one_of_the_others():
     for name, alpha in (("agg", "0.03"), ("agg-a0.09", "0.09"), ("agg-a0.01", "0.01"), ("freeze", "0.03")):
         c = cmd(name)
         assert c[c.index("--agg-alpha") + 1] == alpha and "--agg-threshold-mode" not in c  # the default mode
+    # AGG's operating point: the per-update rule at alpha 0.03 (x3, x1/3), freezing of its set, and
+    # freezing of the static bottom 20 % (the paper's Table 1)
+    for name, alpha in (("agg-pu", "0.03"), ("agg-pu-a0.09", "0.09"), ("agg-pu-a0.01", "0.01"), ("freeze-pu", "0.03")):
+        c = cmd(name)
+        assert c[c.index("--agg-alpha") + 1] == alpha and c[c.index("--agg-threshold-mode") + 1] == "per-update"
+        assert ("--agg-freeze-rare" in c) == name.startswith("freeze")
+    c = cmd("freeze-group")
+    assert "--agg-freeze-rare" in c and c[c.index("--agg-freeze-set") + 1] == "group" and "--agg-threshold-mode" not in c
     for name in ("coupled-adam", "agg+coupled-adam"):
         c = cmd(name)
         assert c[len(c) - 1 - c[::-1].index("--optimizer") + 1] == "coupled_adam"  # the last --optimizer wins
@@ -213,7 +222,7 @@ def test_tail_smoke_every_run_report_and_resume(tmp_path, repo_root, corpus):
     proc, out = study(repo_root, args)
     assert proc.returncode == 0, out[-4000:]
     specs = P.run_specs("tail", "smoke", [1, 2])
-    assert len(specs) == 4 * 2 + len(P.TAIL_ONE_SEED)
+    assert len(specs) == 6 * 2 + len(P.TAIL_ONE_SEED)
 
     # the data: the WikiText rule, checked against the raw training text, coverage, AGG's rare set
     data = json.load(open(work / "_data" / "tail" / "data" / D.DATA_REPORT))
@@ -242,7 +251,10 @@ def test_tail_smoke_every_run_report_and_resume(tmp_path, repo_root, corpus):
         assert (m["agg_window"] is not None) == gated and bool(m["agg_rare_curve"]) == gated
         if gated:
             assert m["agg_window"]["window_updates"] == 12 and m["agg_window"]["rare"] >= v["madeupwords"]
-            assert m["agg_window"]["frozen"] == (spec.name == "freeze")
+            assert m["agg_window"]["frozen"] == spec.name.startswith("freeze")
+            assert m["agg_window"]["freeze_set"] == {"freeze": "window", "freeze-pu": "window",
+                                                     "freeze-group": "group"}.get(spec.name)
+            assert m["agg_window"]["threshold_mode"] == ("per-update" if "-pu" in spec.name else "relative")
 
     report = work / "tail" / "report"
     table = (report / "table.md").read_text()

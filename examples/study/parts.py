@@ -49,6 +49,9 @@ TAIL_DEFAULT = dict(LM_DEFAULT, updates=3000)
 # AGG's threshold in the tail part: the paper's (Yu et al. 2022: 0.03 per update of 32,768 target
 # tokens, the default relative threshold mode) and x3 and x1/3 of it
 TAIL_ALPHA = 0.03
+# AGG's other reading of the paper's alpha (issue: the operating point, docs/study.md): the released
+# per-update rule, a_k = count per optimizer update of the window, at 0.03 and x3, x1/3 of it
+PER_UPDATE = ["--agg-threshold-mode", "per-update"]
 
 BUDGET = {
     "lm": {
@@ -83,7 +86,8 @@ BUDGET = {
 }
 SEEDS = {"lm": [1, 2, 3], "alpha": [1], "depth": [1], "mt": [1, 2, 3], "tail": [1, 2, 3]}
 # The tail part's runs of one seed (the first of --seeds); the others have every seed.
-TAIL_ONE_SEED = ("agg-a0.09", "agg-a0.01", "cosreg", "face", "ul", "al", "agg+coupled-adam")
+TAIL_ONE_SEED = ("agg-a0.09", "agg-a0.01", "cosreg", "face", "ul", "al", "agg+coupled-adam",
+                 "agg-pu-a0.09", "agg-pu-a0.01", "freeze-pu")
 # more train_inner lines for the spike counts of the depth part: every max(10, updates // 100) updates;
 # for the tail part's curve of AGG's rare set
 LOG_LINES = {"lm": 20, "alpha": 20, "depth": 100, "mt": 10, "tail": 30}
@@ -193,6 +197,19 @@ def _named_methods(part, budget) -> List[Tuple[str, dict, Tuple[str, ...], Tuple
         out += [(m, M[m], model, flags, {"method": m}) for m in ("cosreg", "face", "ul", "al")]
         both = dict(_variant(M["agg"], "AGG, alpha 0.03, with Coupled Adam"), optimizer=M["coupled-adam"]["optimizer"])
         out.append(("agg+coupled-adam", both, model, flags, {"method": "agg+coupled-adam", "alpha": TAIL_ALPHA}))
+        # at AGG's own operating point: the per-update rule, and freezing as in the paper's Table 1
+        for factor in (1, 3, 1 / 3):
+            a = round(TAIL_ALPHA * factor, 6)
+            name = "agg-pu" if factor == 1 else f"agg-pu-a{a:g}"
+            method = _variant(M["agg"], f"AGG, alpha {a:g} per update ({factor:.3g} x the paper's)",
+                              ["--agg-alpha", f"{a:g}"] + PER_UPDATE)
+            out.append((name, method, model, flags, {"method": "agg", "alpha": a, "threshold_mode": "per-update"}))
+        out.append(("freeze-group", _variant(M["freeze"], "freezing of the static bottom 20 % of types (30/50/20 groups; "
+                                             "the paper's Table 1)", M["freeze"]["args"] + ["--agg-freeze-set", "group"]), model, flags,
+                    {"method": "freeze", "freeze_set": "group"}))
+        out.append(("freeze-pu", _variant(M["freeze"], "freezing of AGG's per-update rare set (alpha 0.03)",
+                                          M["freeze"]["args"] + PER_UPDATE), model, flags,
+                    {"method": "freeze", "alpha": TAIL_ALPHA, "threshold_mode": "per-update"}))
         return out
     raise ValueError(f"unknown part {part!r}")
 

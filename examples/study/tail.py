@@ -141,4 +141,6 @@ def agg_window_numbers(checkpoint: str, data: str) -> Optional[dict]:
             "window_updates": recorded, "window_tokens": int(counts.sum()), "rare": n_rare,
             "rare_seen": int((rare & seen).sum()),
             "rare_seen_fraction": float((rare & seen).sum()) / n_rare if n_rare else None,
-            "frozen": bool(get("agg_freeze_rare"))}
+            "frozen": bool(get("agg_freeze_rare")),
+            # what freezing froze: this window set, or the static rare group of the statistics
+            "freeze_set": (get("agg_freeze_set") or "window") if get("agg_freeze_rare") else None}
