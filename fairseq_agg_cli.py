@@ -1,5 +1,5 @@
 """``fairseq-agg [COMMAND] ...`` and ``fairseq-agg-analyze``: the plugin's command line (also
-``python -m fairseq_agg``).
+``python -m fairseq_agg_cli``).
 
 With no command it prints the directory to pass to fairseq's ``--user-dir``, so shells can write
 ``fairseq-train --user-dir "$(fairseq-agg)" ...``.
@@ -140,7 +140,7 @@ COMMANDS = {
     "flags": Command("the flags of the plugin's criteria, architectures and optimizers, with defaults",
                      flags_parser, "fairseq_agg.flags:run"),
     "analyze": Command("embedding report of checkpoints (= fairseq-agg-analyze)", analyze_parser,
-                       "fairseq_agg.stats.analyze:run"),
+                       "fairseq_agg.analysis.analyze:run"),
     "average-checkpoints": Command("average the parameters of several fairseq checkpoints",
                                    average_checkpoints_parser, "fairseq_agg.tools.average_checkpoints:run"),
 }

@@ -1,8 +1,10 @@
-"""What the two offline demos share (the LM demo ``examples.demo.run`` and the MT demo
-``examples.demo_mt.run``): their command line, the cache of prepared data, fairseq's console
-scripts run side by side with their progress lines streamed to the terminal (every line in each
-run's log file; all of them on the terminal with ``--verbose``), "run k of N" with the time left,
-the check of which plugin methods are registered, and the result tables.
+"""What the two offline demos share (the LM demo ``examples.lm_demo.run`` and the MT demo
+``examples.mt_demo.run``), and the study built on them (``study/``) with them: their command
+line, the fairseq-train command (:func:`train_command`), the cache of prepared data
+(:func:`reuse_prepared`), fairseq's console scripts run side by side with their progress lines
+streamed to the terminal (every line in each run's log file; all of them on the terminal with
+``--verbose``), "run k of N" with the time left, the check of which plugin methods are
+registered, and the result tables.
 
 Each demo describes itself with a :class:`Demo` (methods, model, budget, training flags, time
 estimates) and keeps only what is its own: its corpus, its evaluation and its table.
@@ -379,6 +381,41 @@ class Progress:
 # ---------------------------------------------------------------------------- the demo skeleton
 
 
+def reuse_prepared(data_dir, source, vocab, tag):
+    """The stamp of data prepared earlier in ``data_dir`` from the same source and vocabulary, else
+    None (and whatever an earlier, different preparation left is removed); ``tag`` prefixes the
+    line that says so."""
+    stamp = os.path.join(data_dir, "done.json")
+    if os.path.isfile(stamp):
+        with open(stamp) as f:
+            info = json.load(f)
+        if info.get("source") == source and info.get("vocab") == vocab:
+            say(f"[{tag}] using the prepared data in {data_dir}")
+            return info
+    shutil.rmtree(data_dir, ignore_errors=True)
+    return None
+
+
+def train_command(method, model, train_flags, budget, data_bin, save_dir, seed, updates, cpu, data_flags=(),
+                  log_lines=10):
+    """fairseq-train's argument list of one run: ``method`` (criterion, arch, args and optionally
+    optimizer: a demo's METHODS entry or a variant of one), the architecture flags ``model``, the
+    shared ``train_flags`` and ``data_flags``, ``budget``'s max_tokens and warm-up, ``updates``
+    updates, about ``log_lines`` train_inner lines. The order of the flags is part of a study run's
+    identity (study/store.py, ``run_key``)."""
+    cmd = [console_script("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--arch", method["arch"],
+           "--criterion", method["criterion"], *method["args"], *model, *train_flags, *data_flags,
+           # after the shared flags: argparse keeps the last --optimizer
+           *(["--optimizer", method["optimizer"]] if "optimizer" in method else []),
+           "--max-tokens", str(budget["max_tokens"]),
+           "--warmup-updates", str(min(budget["warmup"], max(1, updates // 4))),
+           "--max-update", str(updates), "--seed", str(seed), "--save-dir", save_dir,
+           "--log-interval", str(max(10, updates // log_lines))]
+    if cpu:
+        cmd.append("--cpu")
+    return cmd
+
+
 @dataclasses.dataclass
 class TrainedRun:
     """One finished fairseq-train run of a demo."""
@@ -479,32 +516,13 @@ class Demo:
             raise SystemExit(f"[{self.tag}] the corpus is not available on this system: {e}")
 
     def reuse_prepared(self, data_dir, source, vocab):
-        """The stamp of data prepared earlier from the same source and vocabulary, else None (and
-        whatever an earlier, different preparation left is removed)."""
-        stamp = os.path.join(data_dir, "done.json")
-        if os.path.isfile(stamp):
-            with open(stamp) as f:
-                info = json.load(f)
-            if info.get("source") == source and info.get("vocab") == vocab:
-                say(f"[{self.tag}] using the prepared data in {data_dir}")
-                return info
-        shutil.rmtree(data_dir, ignore_errors=True)
-        return None
+        """:func:`reuse_prepared` with the demo's tag."""
+        return reuse_prepared(data_dir, source, vocab, self.tag)
 
     def train_command(self, method, data_bin, save_dir, seed, mode, updates, cpu, data_flags=()):
-        m = self.methods[method]
-        budget = self.budget[mode]
-        cmd = [console_script("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--arch", m["arch"],
-               "--criterion", m["criterion"], *m["args"], *self.model[mode], *self.train_flags, *data_flags,
-               # after the shared flags: argparse keeps the last --optimizer
-               *(["--optimizer", m["optimizer"]] if "optimizer" in m else []),
-               "--max-tokens", str(budget["max_tokens"]),
-               "--warmup-updates", str(min(budget["warmup"], max(1, updates // 4))),
-               "--max-update", str(updates), "--seed", str(seed), "--save-dir", save_dir,
-               "--log-interval", str(max(10, updates // self.log_lines_per_run))]
-        if cpu:
-            cmd.append("--cpu")
-        return cmd
+        """:func:`train_command` of the demo's method ``method`` (a name) at its ``mode``."""
+        return train_command(self.methods[method], self.model[mode], self.train_flags, self.budget[mode], data_bin,
+                             save_dir, seed, updates, cpu, data_flags, self.log_lines_per_run)
 
     def train(self, a, plan, method, seed, data_bin, data_flags=()):
         """One fairseq-train run in RUNS_DIR/METHOD-sSEED, its log lines shown with that label.
@@ -577,7 +595,7 @@ def mean_spread(values):
 def save_study_figure(fig, path):
     """Lays out ``fig``, writes it to ``path`` (PNG, 110 dpi, legends outside the axes kept) and
     closes it; returns ``path``."""
-    from fairseq_agg.stats.plots import pyplot
+    from fairseq_agg.analysis.plots import pyplot
 
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")

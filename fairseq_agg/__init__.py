@@ -68,7 +68,8 @@ def _register_with_fairseq():
     """Fills fairseq's registries (criteria, models, architectures, optimizers) and reports the
     plugin's refusals in one line; first refuses a fairseq built for numpy 1.x under numpy 2."""
     from .errors import report_usage_errors_in_one_line
-    from .fairseq_hooks import allow_namespace_in_checkpoints, check_fairseq_extensions_match_numpy
+    from .fairseq_facts.checkpoint_state import allow_namespace_in_checkpoints
+    from .fairseq_facts.numpy_check import check_fairseq_extensions_match_numpy
 
     check_fairseq_extensions_match_numpy()
     allow_namespace_in_checkpoints()

@@ -22,7 +22,8 @@ from fairseq.models import ARCH_MODEL_NAME_REGISTRY, ARCH_MODEL_REGISTRY
 from fairseq.registry import REGISTRIES
 
 import fairseq_agg  # noqa: F401  (registers the plugin)
-from fairseq_agg.errors import UsageError, atomic_output, check_output_path
+from fairseq_agg.errors import UsageError
+from fairseq_agg.files import atomic_output, check_output_path
 
 _LM = ["--task", "language_modeling", "--arch", "transformer_lm"]
 _MT = ["--task", "translation", "--arch", "transformer"]
@@ -325,10 +326,3 @@ def run(args, parser):
         parser.error(str(e))
     print(f"wrote {args.output}", file=sys.stderr)
     return 0
-
-
-def main(argv=None):
-    """``fairseq-agg flags ...``"""
-    from fairseq_agg_cli import run_command
-
-    return run_command("flags", argv)

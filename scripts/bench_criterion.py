@@ -68,14 +68,14 @@ in a fresh subprocess (glibc malloc forced to mmap every block >= 64 KiB, so fre
 RSS) and reads the peak RSS (VmHWM, reset through /proc/self/clear_refs) above the RSS at the step's
 start. Both count the gradients H.grad and W.grad that the step leaves behind.
 
-Examples:
-  OMP_NUM_THREADS=2 python scripts/bench_criterion.py                 # N=4096, d=512, V=32768, fp32 CPU
-  python scripts/bench_criterion.py --quick                           # small shapes, a smoke test
-  python scripts/bench_criterion.py --chunk-sizes 512,1024,2048,4096  # chunk-size sweep of the fused variants
-  python scripts/bench_criterion.py --variants fce,fce_ls,agg,al,torch_ref,torch_auto,torch_chunk,torch_ref_ls,floor
-  python scripts/bench_criterion.py --device cuda --dtype bf16        # with a GPU
-  python scripts/bench_criterion.py --kernels compiled                # the compiled chunk body only
-  python scripts/bench_criterion.py --profile agg,agg:eager           # where the time goes
+Examples (from the repository root):
+  OMP_NUM_THREADS=2 python -m scripts.bench_criterion                 # N=4096, d=512, V=32768, fp32 CPU
+  python -m scripts.bench_criterion --quick                           # small shapes, a smoke test
+  python -m scripts.bench_criterion --chunk-sizes 512,1024,2048,4096  # chunk-size sweep of the fused variants
+  python -m scripts.bench_criterion --variants fce,fce_ls,agg,al,torch_ref,torch_auto,torch_chunk,torch_ref_ls,floor
+  python -m scripts.bench_criterion --device cuda --dtype bf16        # with a GPU
+  python -m scripts.bench_criterion --kernels compiled                # the compiled chunk body only
+  python -m scripts.bench_criterion --profile agg,agg:eager           # where the time goes
 """
 import argparse
 import gc
@@ -87,26 +87,22 @@ import subprocess
 import sys
 import time
 
-import torch
-import torch.nn.functional as F
+if __package__ != "scripts":  # run as a file: the repository root, and so tests.support, is not importable
+    sys.exit("run it from the repository root as: python -m scripts.bench_criterion [ARGS]")
 
-from fairseq import utils as fairseq_utils
+import torch
 
 from fairseq_agg.errors import UsageError
-from fairseq_agg.ops.augmented import aug_scale_factor, build_teacher
-from fairseq_agg.ops.cosreg import cosine_regularizer
-from fairseq_agg.ops.face import FaceWeights, face_token_weights
-from fairseq_agg.ops.unlikelihood import unlikelihood_candidates
-from fairseq_agg.ops.fused_linear_loss import LossRequest, fused_linear_loss
-from fairseq_agg.ops.agg_gates import frozen_rare_rows
-from fairseq_agg.ops.counting import target_histogram
+from fairseq_agg.ops.augmented import aug_scale_factor
 from fairseq_agg.ops.foreign_kernels import load_foreign_kernel
 from fairseq_agg.ops.output_chunk import KERNELS as PACKAGE_KERNELS, compile_unavailable, describe_kernel
 
-from output_problem import (DTYPES, MIB, PAD, OutputProblem, cuda_peak_bytes, matmul_floor, rel_diff, stock_loss,
-                            synchronize, torch_auto_chunk, torch_label_smoothing, torch_linear_ce,
-                            torch_linear_ce_missing, wall_seconds)
-from reference_constructions import kl_to_teacher, reference_output_loss, reference_teacher
+from tests.support import output_layer_steps as steps
+from tests.support.output_layer_problem import (DTYPES, MIB, cuda_peak_bytes, matmul_floor, rel_diff, stock_loss,
+                                                synchronize, torch_auto_chunk, torch_label_smoothing,
+                                                torch_linear_ce, torch_linear_ce_missing, wall_seconds)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LABELS = {
     "stock": "(a) stock label_smoothed_cross_entropy, full logits",
@@ -136,144 +132,43 @@ DEFAULT_KERNEL = "compiled"  # the kernel of the keys without ":kernel" (what "a
 
 
 # --------------------------------------------------------------------------- problem setup
-class Problem(OutputProblem):
-    """The inputs of every variant (scripts/output_problem.py) at the command line's settings."""
+class Problem(steps.StepProblem):
+    """The inputs of every variant (tests/support/output_layer_problem.py) at the command line's settings."""
 
     def __init__(self, args):
-        super().__init__(args.tokens, args.dim, args.vocab, dtype=DTYPES[args.dtype], device=args.device,
-                         seed=args.seed, zipf=args.zipf, window_updates=args.window_updates,
+        super().__init__(args.tokens, args.dim, args.vocab, eps=args.label_smoothing, aug_tau=args.aug_temperature,
+                         aug_coef=args.aug_alpha * aug_scale_factor(args.aug_scale, args.aug_temperature),
+                         ul_seq_len=args.ul_seq_len, dtype=DTYPES[args.dtype], device=args.device, seed=args.seed,
+                         zipf=args.zipf, window_updates=args.window_updates,
                          tokens_per_update=args.tokens_per_update, agg_alpha=args.agg_alpha)
         self.args = args
-        self.coef = args.aug_alpha * aug_scale_factor(args.aug_scale, args.aug_temperature)
-        self.cosreg_rows = torch.cat([torch.arange(PAD), torch.arange(PAD + 1, args.vocab)]).to(self.device)
         self.stats = self.target_stats()
 
 
 # --------------------------------------------------------------------------- the variants
-def run_stock(p, chunk, kernel=None):
-    return stock_loss(p, label_smoothing=p.args.label_smoothing)
-
-
-def run_ce(p, chunk, kernel=None):
-    return stock_loss(p)
-
-
-def run_agg(p, chunk, kernel=DEFAULT_KERNEL):
-    gates = p.gates()
-    request = LossRequest(p.args.label_smoothing, gates=gates, chunk_size=chunk, kernel=kernel)
-    loss = fused_linear_loss(p.hidden, p.weight, p.target, request).loss
-    loss.backward()
-    return loss.detach()
-
-
-def run_ref(p, chunk, kernel=None):
-    gates = p.gates()
-    loss, _nll, _ = reference_output_loss(p.hidden, p.weight, p.target, p.args.label_smoothing, gates=gates)
-    loss.backward()
-    return loss.detach()
-
-
-def run_al(p, chunk, kernel=DEFAULT_KERNEL):
-    teacher = build_teacher(p.weight.detach(), p.target, p.args.aug_temperature, p.coef, masked_columns=[PAD])
-    request = LossRequest(teacher=teacher, chunk_size=chunk, kernel=kernel)
-    loss = fused_linear_loss(p.hidden, p.weight, p.target, request).loss
-    loss.backward()
-    return loss.detach()
-
-
-def run_fce(p, chunk, kernel=DEFAULT_KERNEL):
-    loss = fused_linear_loss(p.hidden, p.weight, p.target, LossRequest(chunk_size=chunk, kernel=kernel)).loss
-    loss.backward()
-    return loss.detach()
-
-
-def run_al_ref(p, chunk, kernel=None):
-    teacher = reference_teacher(p.weight.detach(), p.target, p.args.aug_temperature, masked_columns=[PAD])
-    logits = F.linear(p.hidden, p.weight)
-    lprobs = fairseq_utils.log_softmax(logits, dim=-1)
-    loss = F.nll_loss(lprobs, p.target, ignore_index=PAD, reduction="sum")
-    loss = loss + p.coef * kl_to_teacher(logits, teacher, p.args.aug_temperature)
-    loss.backward()
-    return loss.detach()
-
-
-def run_freeze(p, chunk, kernel=DEFAULT_KERNEL):
-    frozen = frozen_rare_rows(p.args.vocab, gates=p.gates())
-    request = LossRequest(frozen_rows=frozen, chunk_size=chunk, kernel=kernel)
-    loss = fused_linear_loss(p.hidden, p.weight, p.target, request).loss
-    loss.backward()
-    return loss.detach()
-
-
-def run_cosreg(p, chunk, kernel=DEFAULT_KERNEL):
-    loss = fused_linear_loss(p.hidden, p.weight, p.target, LossRequest(chunk_size=chunk, kernel=kernel)).loss
-    regulariser, _ = cosine_regularizer(p.weight, p.cosreg_rows)
-    loss = loss + p.target.numel() * regulariser  # gamma = 1, sample_size = N
-    loss.backward()
-    return loss.detach()
-
-
-def run_face(p, chunk, kernel=DEFAULT_KERNEL):
-    face = FaceWeights(token_weight=face_token_weights(p.window_counts.to(p.device)))
-    request = LossRequest(row_weights=face, chunk_size=chunk, record_argmax=True, kernel=kernel)
-    result = fused_linear_loss(p.hidden, p.weight, p.target, request)
-    target_histogram(result.argmax, p.args.vocab)  # the counts of the next micro-batch
-    result.loss.backward()
-    return result.loss.detach()
-
-
-def run_fce_ls(p, chunk, kernel=DEFAULT_KERNEL):
-    request = LossRequest(p.args.label_smoothing, chunk_size=chunk, kernel=kernel)
-    loss = fused_linear_loss(p.hidden, p.weight, p.target, request).loss
-    loss.backward()
-    return loss.detach()
-
-
-def run_torch_ref(p, chunk, kernel=None):
-    return torch_linear_ce(p)
-
-
-def run_torch_auto(p, chunk, kernel=None):
-    return torch_linear_ce(p, chunking="auto")
-
-
-def run_torch_chunk(p, chunk, kernel=None):
-    return torch_linear_ce(p, chunking=chunk)
-
-
-def run_torch_ref_ls(p, chunk, kernel=None):
-    return torch_linear_ce(p, label_smoothing=p.args.label_smoothing)
-
-
-def run_floor(p, chunk, kernel=None):
-    return matmul_floor(p, chunk)
-
-
-def run_ul(p, chunk, kernel=DEFAULT_KERNEL):
-    n = p.target.numel()
-    width = p.args.ul_seq_len
-    sequences = p.target.new_full((-(-n // width) * width,), PAD)
-    sequences[:n] = p.target
-    candidates = unlikelihood_candidates(sequences.view(-1, width), torch.arange(n, device=p.device), PAD, 1.0)
-    request = LossRequest(penalty=candidates, chunk_size=chunk, kernel=kernel)
-    loss = fused_linear_loss(p.hidden, p.weight, p.target, request).loss
-    loss.backward()
-    return loss.detach()
-
-
-def run_agg_torch(p, chunk, kernel=None):
-    return run_agg(p, chunk, "torch")
-
-
-def run_fce_torch(p, chunk, kernel=None):
-    return run_fce(p, chunk, "torch")
-
-
-RUNNERS = {"stock": run_stock, "agg": run_agg, "ref": run_ref, "al": run_al, "ce": run_ce, "al_ref": run_al_ref, "fce": run_fce,
-           "freeze": run_freeze, "cosreg": run_cosreg, "face": run_face, "ul": run_ul, "fce_ls": run_fce_ls,
-           "torch_ref": run_torch_ref, "torch_auto": run_torch_auto, "torch_chunk": run_torch_chunk,
-           "torch_ref_ls": run_torch_ref_ls, "floor": run_floor, "agg_torch": run_agg_torch,
-           "fce_torch": run_fce_torch}
+# name -> step(p, chunk, kernel): the shared steps (tests/support/output_layer_steps.py) at this
+# benchmark's smoothing, --label-smoothing for (a)-(c), (l), (p) and (r), eps 0 for the others
+RUNNERS = {
+    "stock": lambda p, chunk, kernel: stock_loss(p, label_smoothing=p.eps),
+    "agg": lambda p, chunk, kernel: steps.fused_agg(p, chunk, kernel, p.eps),
+    "ref": lambda p, chunk, kernel: steps.reference_agg(p, p.eps),
+    "al": steps.fused_al,
+    "ce": lambda p, chunk, kernel: stock_loss(p),
+    "al_ref": lambda p, chunk, kernel: steps.reference_al(p),
+    "fce": steps.fused_ce,
+    "freeze": steps.fused_freeze,
+    "cosreg": steps.fused_cosreg,
+    "face": steps.fused_face,
+    "ul": steps.fused_ul,
+    "fce_ls": lambda p, chunk, kernel: steps.fused_ce(p, chunk, kernel, p.eps),
+    "torch_ref": lambda p, chunk, kernel: torch_linear_ce(p),
+    "torch_auto": lambda p, chunk, kernel: torch_linear_ce(p, chunking="auto"),
+    "torch_chunk": lambda p, chunk, kernel: torch_linear_ce(p, chunking=chunk),
+    "torch_ref_ls": lambda p, chunk, kernel: torch_linear_ce(p, label_smoothing=p.eps),
+    "floor": lambda p, chunk, kernel: matmul_floor(p, chunk),
+    "agg_torch": lambda p, chunk, kernel: steps.fused_agg(p, chunk, "torch", p.eps),
+    "fce_torch": lambda p, chunk, kernel: steps.fused_ce(p, chunk, "torch"),
+}
 BASELINES = ("freeze", "cosreg", "face", "ul")  # the remedies of docs/baselines.md
 PACKAGE_FUSED = ("agg", "al", "fce", "fce_ls") + BASELINES  # measured per kernel (--kernels)
 FUSED = PACKAGE_FUSED + ("floor",)  # swept over --chunk-sizes
@@ -402,9 +297,9 @@ def rss_child(args):
 
 
 def peak_rss(args, key):
-    cmd = [sys.executable, os.path.abspath(__file__), "--rss-child", key] + child_argv(args)
+    cmd = [sys.executable, "-m", "scripts.bench_criterion", "--rss-child", key] + child_argv(args)
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])["peak_bytes"]
 
 
@@ -537,7 +432,7 @@ def setup_lines(args, p, mem_method):
         f"{100 * s['rare_target_frac']:.1f}% of targets rare, {100 * s['very_rare_target_frac']:.1f}% with g2<1; "
         f"{s['unique_targets']} unique targets (teacher {s['unique_targets'] * v * 4 / MIB:.0f} MiB fp32)",
         f"label smoothing {args.label_smoothing} for (a)-(c), (l) and (r); AL alpha={args.aug_alpha}, "
-        f"tau={args.aug_temperature}, scale {args.aug_scale} (coef {p.coef:g}); eps 0 for the others",
+        f"tau={args.aug_temperature}, scale {args.aug_scale} (coef {p.aug_coef:g}); eps 0 for the others",
         kernel_setup_line(args, p),
         torch_setup_line(args, p),
         f"time: median of {args.repeats} interleaved rounds after one untimed first call per variant (it compiles "

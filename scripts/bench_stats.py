@@ -8,8 +8,8 @@
    the same run with and without the statistics, interleaved, plus the time spent inside
    ``EmbeddingStats.log`` itself (every call, measured in the training process).
 
-Usage: python scripts/bench_stats.py [--vocab 50000 --dim 1024] [--updates 1000] [--max-tokens 1024] [--repeats 2]
-       [--device cpu|cuda] [--skip-train] [--skip-metrics]
+Usage (from the repository root): python -m scripts.bench_stats [--vocab 50000 --dim 1024] [--updates 1000]
+       [--max-tokens 1024] [--repeats 2] [--device cpu|cuda] [--skip-train] [--skip-metrics]
 """
 import argparse
 import json
@@ -18,10 +18,13 @@ import subprocess
 import sys
 import tempfile
 
+if __package__ != "scripts":  # run as a file: the repository root, and so tests.support, is not importable
+    sys.exit("run it from the repository root as: python -m scripts.bench_stats [ARGS]")
+
 import torch
 
-from output_problem import wall_seconds
-from synthetic_text import markov_sentences, write_lines
+from tests.support.output_layer_problem import wall_seconds
+from tests.support.synthetic_text import markov_sentences, write_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -4,12 +4,12 @@ method of this package, with the embedding statistics off and on.
 
 Shapes (``--shape``):
 
-  demo   the demo LM of examples/demo/run.py (its MODEL["default"] and BUDGET["default"] batches):
+  demo   the demo LM of examples/lm_demo/run.py (its MODEL["default"] and BUDGET["default"] batches):
          transformer_lm_gpt, 3 layers, d 96, FFN 384, 4 heads, pre-LN, tied embeddings, 128 tokens
          per sample, 1,024 tokens per update, Adam; V = 4,000 (the demo's sentencepiece vocabulary)
   words  the same model at d 128 (FFN 512) over a word-level vocabulary of 18,000 types
 
-Data: a fairseq data-bin of i.i.d. Zipf(1.1) tokens written on the spot (gpu_check.py's
+Data: a fairseq data-bin of i.i.d. Zipf(1.1) tokens written on the spot (tests/support/training_runs.py's
 ``write_synthetic_lm_bin``: a dictionary of exactly V types in frequency order, as
 fairseq-preprocess writes one); enough for one epoch of ``--updates``, validation off.
 
@@ -20,7 +20,7 @@ docs/baselines.md) and ``coupled_adam`` (stock CE, --optimizer coupled_adam), al
 statistics off; each method of ``--stats-methods`` also runs with ``--embed-stats-interval``
 (default 100, isotropy every 10x that; stock CE's statistics through cross_entropy_with_stats).
 
-Measured per run, in the training process (gpu_check.py's ``--train-worker``): updates per second,
+Measured per run, in the training process (scripts/gpu_check.py's ``--train-worker``): updates per second,
 from the time at which every ``Trainer.train_step`` returned, over the updates after the first
 ``--warmup-fraction`` (so start-up, data loading and the first steps' allocations are left out and
 everything between two updates, logging and statistics included, is in); and the process's peak
@@ -33,8 +33,8 @@ statistics (``in_run_share``: how much longer its measuring updates take than it
 the paired ratio to the same method without them is printed beside it, but two processes on this
 VM differ by a few per cent on their own, which hides a cost of 0.1-0.2 %.
 
-Usage: python scripts/bench_training.py [--shape demo,words] [--methods stock,agg,...] [--updates 300]
-       [--repeats 3] [--stats-methods stock] [--stats-interval 100] [--threads 2] [--json FILE]
+Usage (from the repository root): python -m scripts.bench_training [--shape demo,words] [--methods stock,agg,...]
+       [--updates 300] [--repeats 3] [--stats-methods stock] [--stats-interval 100] [--threads 2] [--json FILE]
 """
 import argparse
 import json
@@ -44,22 +44,25 @@ import subprocess
 import sys
 import tempfile
 
+if __package__ != "scripts":  # run as a file: the repository root, and so tests.support, is not importable
+    sys.exit("run it from the repository root as: python -m scripts.bench_training [ARGS]")
+
 import torch
 
-from gpu_check import train_log_records, write_synthetic_lm_bin
+from tests.support.training_runs import in_run_share, train_log_records, updates_per_second, write_synthetic_lm_bin
 
-GPU_CHECK_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_check.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-MODEL = {  # arch flags; examples/demo/run.py's MODEL["default"], and the same at d 128
+MODEL = {  # arch flags; examples/lm_demo/run.py's MODEL["default"], and the same at d 128
     "demo": ["--decoder-layers", "3", "--decoder-embed-dim", "96", "--decoder-ffn-embed-dim", "384",
              "--decoder-attention-heads", "4"],
     "words": ["--decoder-layers", "3", "--decoder-embed-dim", "128", "--decoder-ffn-embed-dim", "512",
               "--decoder-attention-heads", "4"],
 }
 VOCAB = {"demo": 4000, "words": 18000}
-TOKENS_PER_SAMPLE, MAX_TOKENS = 128, 1024  # examples/demo/run.py's BUDGET["default"]
+TOKENS_PER_SAMPLE, MAX_TOKENS = 128, 1024  # examples/lm_demo/run.py's BUDGET["default"]
 
-# examples/demo/run.py's COMMON_TRAIN, less its logging and checkpoint flags (see train_flags)
+# examples/lm_demo/run.py's COMMON_TRAIN, less its logging and checkpoint flags (see train_flags)
 COMMON = [
     "--task", "language_modeling", "--arch", "transformer_lm_gpt", "--sample-break-mode", "none",
     "--share-decoder-input-output-embed", "--decoder-normalize-before", "--dropout", "0.1",
@@ -68,7 +71,7 @@ COMMON = [
     "--required-batch-size-multiple", "1", "--num-workers", "0", "--seed", "1",
 ]
 
-METHODS = {  # name -> criterion (and optimizer) flags; the demo's settings (examples/demo/run.py)
+METHODS = {  # name -> criterion (and optimizer) flags; the demo's settings (examples/lm_demo/run.py)
     "stock": ["--criterion", "cross_entropy"],
     "agg": ["--criterion", "cross_entropy_agg", "--agg-alpha", "0.03"],
     "al": ["--criterion", "augmented_loss"],
@@ -107,38 +110,16 @@ def train_flags(args, shape, data, save_dir):
     return flags
 
 
-def updates_per_second(update_ends, warmup_fraction):
-    """Updates per second between the end of the first update after the warm-up and the last."""
-    first = min(len(update_ends) - 2, int(len(update_ends) * warmup_fraction))
-    if first < 0:
-        return None
-    return (len(update_ends) - 1 - first) / (update_ends[-1] - update_ends[first])
-
-
-def in_run_share(update_ends, warmup_fraction, interval):
-    """The statistics' share of one run's time, read from its own update times: the time by which
-    the updates that measure (every ``interval``-th, isotropy included) exceed the run's median
-    update, over the run's time after the warm-up. Separate processes on a shared VM differ by a
-    few per cent in speed for reasons of their own, more than the 2 % goal, so the paired
-    process ratio cannot resolve it; this can. ``None`` for a run without statistics."""
-    first = int(len(update_ends) * warmup_fraction)
-    durations = {u: update_ends[u - 1] - update_ends[u - 2] for u in range(max(first, 2) + 1, len(update_ends) + 1)}
-    if not interval or not durations:
-        return None
-    median = statistics.median(durations.values())
-    excess = sum(d - median for u, d in durations.items() if u % interval == 0)
-    return excess / sum(durations.values())
-
-
 def run_once(args, shape, data, workdir, name, flags):
     """One fairseq-train process; its updates/s, peak RSS, update count and last logged loss."""
     result_path = os.path.join(workdir, "worker.json")
     if os.path.exists(result_path):
         os.remove(result_path)
-    cmd = [sys.executable, GPU_CHECK_PY, "--train-worker", result_path, "--",
+    cmd = [sys.executable, "-m", "scripts.gpu_check", "--train-worker", result_path, "--",
            *train_flags(args, shape, data, os.path.join(workdir, "ckpt")), *flags]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(args.threads))
-    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True)
+    # from the root, where scripts.gpu_check imports; every path of the run is absolute
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0 or not os.path.exists(result_path):
         sys.exit(f"fairseq-train failed for {shape} {name}:\n{(proc.stdout + proc.stderr)[-5000:]}")
     with open(result_path) as f:

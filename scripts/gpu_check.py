@@ -6,7 +6,7 @@ the check cannot rot while no accelerator is lent). Four parts, each guarded (a 
 recorded and the next part still runs) and all under one time budget (``--deadline``):
 
 1. correctness: :func:`~fairseq_agg.ops.fused_linear_loss.fused_linear_loss` against the
-   reference constructions of scripts/reference_constructions.py, evaluated in float64 on the
+   reference constructions of tests/support/reference_constructions.py, evaluated in float64 on the
    same (rounded) inputs, for CE, AGG (eps 0 and 0.1) and AL in fp32 (<= 1e-5 relative) and bf16
    (<= 2e-2): loss, NLL, dH and dW;
 2. the output layer at the papers' shapes (LM: N = 16,384 target tokens, d = 768, V = 50,264;
@@ -51,7 +51,7 @@ than ``train_reserve_s`` (150 s) + 20 s left while the training part is still to
 not made are listed under ``skipped``, the part is then "partial"). These settings are estimates:
 they have not yet run on a GPU with the compiled path.
 
-Usage: python scripts/gpu_check.py [--cpu-smoke] [--out DIR] [--deadline UNIX_S]
+Usage (from the repository root): python -m scripts.gpu_check [--cpu-smoke] [--out DIR] [--deadline UNIX_S]
 """
 import argparse
 import dataclasses
@@ -70,6 +70,9 @@ import tempfile
 import time
 import traceback
 
+if __package__ != "scripts":  # run as a file: the repository root, and so tests.support, is not importable
+    sys.exit("run it from the repository root as: python -m scripts.gpu_check [ARGS]")
+
 import torch
 
 from fairseq_agg import USER_DIR, __version__
@@ -79,9 +82,14 @@ from fairseq_agg.ops.foreign_kernels import DESCRIPTIONS as FOREIGN_DESCRIPTIONS
 from fairseq_agg.ops.fused_linear_loss import LossRequest, fused_linear_loss
 from fairseq_agg.ops.output_chunk import describe_kernel
 
-from output_problem import (DTYPES, MIB, PAD, OutputProblem, cuda_peak_bytes, matmul_floor, rel_diff, stock_loss,
-                            torch_linear_ce, torch_linear_ce_missing, wall_seconds, zipf_unigram)
-from reference_constructions import reference_output_loss, reference_teacher
+from tests.support.output_layer_problem import (DTYPES, MIB, PAD, OutputProblem, cuda_peak_bytes, matmul_floor,
+                                                rel_diff, stock_loss, torch_linear_ce, torch_linear_ce_missing,
+                                                wall_seconds)
+from tests.support.output_layer_steps import StepProblem, fused_agg, fused_al, fused_ce
+from tests.support.reference_constructions import reference_output_loss, reference_teacher
+from tests.support.training_runs import fairseq_precision_problem, train_log_records, write_synthetic_lm_bin
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}  # relative, against the float64 reference
 
@@ -282,7 +290,7 @@ def part_correctness(plan: Plan, device: torch.device):
         "g2_below_one_target_fraction": stats["very_rare_target_frac"],
         "aug": al,
         "tolerance": TOLERANCE,
-        "reference": "scripts/reference_constructions.py in float64 on the same rounded inputs",
+        "reference": "tests/support/reference_constructions.py in float64 on the same rounded inputs",
     }
     cases = [("CE", 0.0, False, False), ("AGG eps=0", 0.0, True, False), ("AGG eps=0.1", 0.1, True, False),
              ("AL", 0.0, False, True)]
@@ -329,14 +337,15 @@ def part_correctness(plan: Plan, device: torch.device):
 # 2. the output layer
 
 
-class ShapeProblem(OutputProblem):
+class ShapeProblem(StepProblem):
     """The output-layer problem at one of the plan's shapes (N, d, V, label smoothing, AGG alpha),
     with the augmented loss's defaults."""
 
     def __init__(self, shape, dtype, device):
-        tokens, dim, vocab, self.eps, agg_alpha = shape
-        super().__init__(tokens, dim, vocab, dtype=dtype, device=device, agg_alpha=agg_alpha)
-        self.al = al_defaults()
+        tokens, dim, vocab, eps, agg_alpha = shape
+        al = al_defaults()
+        super().__init__(tokens, dim, vocab, eps=eps, aug_tau=al["tau"], aug_coef=al["coef"], dtype=dtype,
+                         device=device, agg_alpha=agg_alpha)
 
 
 def stock_step(p: ShapeProblem, chunk=None):
@@ -345,27 +354,21 @@ def stock_step(p: ShapeProblem, chunk=None):
     return stock_loss(p, p.eps if p.eps > 0 else None)
 
 
-def fused_step(kind, kernel="auto"):
-    """The package's fused layer: CE, AGG or AL at the shape's smoothing, on ``kernel`` (the
-    default ``auto``, ``eager``, or a foreign kernel through the package)."""
+def fused_step(step, kernel="auto"):
+    """One of the package's fused steps (tests/support/output_layer_steps.py) at the shape's
+    smoothing, on ``kernel`` (the default ``auto``, ``eager``, or a foreign kernel through the
+    package)."""
 
-    def step(p: ShapeProblem, chunk):
-        gates = p.gates() if kind == "agg" else None
-        teacher = None
-        if kind == "al":
-            teacher = build_teacher(p.weight.detach(), p.target, p.al["tau"], p.al["coef"], masked_columns=[PAD])
-        request = LossRequest(p.eps, gates=gates, teacher=teacher, chunk_size=chunk, kernel=kernel)
+    def run(p: ShapeProblem, chunk):
         try:
-            loss = fused_linear_loss(p.hidden, p.weight, p.target, request).loss
+            return step(p, chunk, kernel, p.eps)
         except UsageError as e:  # a foreign kernel that cannot compute the request (CCE: no smoothing)
             raise NotApplicable(str(e)) from None
-        loss.backward()
-        return loss.detach()
 
-    return step
+    return run
 
 
-PACKAGE_VARIANTS = {"fused_ce": "ce", "agg": "agg", "al": "al"}  # name -> fused_step kind
+PACKAGE_VARIANTS = {"fused_ce": fused_ce, "agg": fused_agg, "al": fused_al}  # name -> the shared step
 FOREIGN_THROUGH_PACKAGE = ("fused_ce", "agg")  # what the foreign kernels compute (no teacher)
 
 
@@ -502,8 +505,8 @@ def output_variants(liger, cce, kernel_notes):
     """The variants of every run, in the order of the report: stock, the package's default path,
     its eager path, the package on the foreign kernels that load here, then the anchors."""
     variants = {"stock": stock_step}
-    variants.update({name: fused_step(kind) for name, kind in PACKAGE_VARIANTS.items()})
-    variants.update({f"{name}:eager": fused_step(kind, "eager") for name, kind in PACKAGE_VARIANTS.items()})
+    variants.update({name: fused_step(step) for name, step in PACKAGE_VARIANTS.items()})
+    variants.update({f"{name}:eager": fused_step(step, "eager") for name, step in PACKAGE_VARIANTS.items()})
     for kernel in FOREIGN_KERNELS:
         if not kernel_notes[kernel].startswith("skipped"):
             variants.update({f"{name}:{kernel}": fused_step(PACKAGE_VARIANTS[name], kernel)
@@ -645,53 +648,6 @@ def best_chunks(entry, chunk0):
 # 3. fairseq-train
 
 
-def write_synthetic_lm_bin(dest: str, vocab: int, train_tokens: int, valid_tokens: int, seed: int = 0):
-    """A fairseq data-bin (dict.txt, {train,valid}.{bin,idx}, mmap format) of Zipfian "sentences"
-    of 20-200 tokens, each ending in </s> as fairseq-preprocess writes them."""
-    import numpy as np
-    from fairseq.data import Dictionary, indexed_dataset
-
-    os.makedirs(dest, exist_ok=True)
-    dictionary = Dictionary()
-    n_words = vocab - len(dictionary)
-    probs = zipf_unigram(vocab).numpy()[len(dictionary):]
-    probs = probs / probs.sum()
-    expected = np.maximum(1, np.round(probs * 1e9)).astype(np.int64)
-    for i in range(n_words):
-        dictionary.add_symbol(f"w{i}", n=int(expected[i]))
-    dictionary.save(os.path.join(dest, "dict.txt"))
-    rng = np.random.default_rng(seed)
-    for split, total in (("train", train_tokens), ("valid", valid_tokens)):
-        tokens = rng.choice(n_words, size=total, p=probs) + len(Dictionary())
-        builder = indexed_dataset.make_builder(os.path.join(dest, f"{split}.bin"), impl="mmap", vocab_size=vocab)
-        start = 0
-        while start < total:
-            length = int(rng.integers(20, 200))
-            line = np.append(tokens[start : start + length], dictionary.eos())
-            builder.add_item(torch.from_numpy(line.astype(np.int64)))
-            start += length
-        builder.finalize(os.path.join(dest, f"{split}.idx"))
-    return dest
-
-
-def fairseq_precision_problem(precision: str):
-    """Why fairseq-train cannot run at ``precision`` on a GPU, or None.
-
-    fairseq's option post-processing turns ``--bf16`` into ``--tpu`` (fairseq/options.py), and its
-    Trainer then asks torch_xla for the device: ``--bf16`` trains on TPUs only.
-    """
-    if precision != "bf16":
-        return None
-    from fairseq import options
-
-    args = options.parse_args_and_arch(
-        options.get_training_parser(), ["data-bin", "--task", "language_modeling", "--arch", "transformer_lm", "--bf16"]
-    )
-    if getattr(args, "tpu", False):
-        return "this fairseq turns --bf16 into --tpu (fairseq/options.py): fairseq-train --bf16 runs on TPUs only"
-    return None
-
-
 def train_runs(plan: Plan):
     """(name, arch, criterion flags) of the four runs, stock first (the ratios' baseline)."""
     # the package's criteria on the default path, named explicitly (their log says which path ran)
@@ -759,7 +715,6 @@ def train_worker(result_path: str, argv):
             json.dump(result, f)
 
 
-_JSON_RECORD = re.compile(r"(\{.*\})\s*$")
 # the criteria's one line at their first forward ("<criterion>: output layer: <path>"), and the
 # warning of a compilation that failed under --output-kernel auto (the run went on eagerly)
 _OUTPUT_LAYER = re.compile(r"\S+: output layer: (.+?)\s*$", re.MULTILINE)
@@ -775,20 +730,6 @@ def output_layer_path(text: str):
     return found.group(1) + (f"; then eager: {fallback.group(1)}" if fallback else "")
 
 
-def train_log_records(text: str):
-    """The ``train_inner`` records of a ``--log-format json`` log (values are strings there)."""
-    records = []
-    for line in text.splitlines():
-        found = _JSON_RECORD.search(line)
-        if not found or '"wps"' not in line or '"num_updates"' not in line:
-            continue
-        try:
-            records.append(json.loads(found.group(1)))
-        except ValueError:
-            continue
-    return records
-
-
 def _log_tail(proc) -> str:
     """The ends of both streams: fairseq logs to stdout, Python's warnings go to stderr."""
     return f"--- stdout ---\n{proc.stdout[-2500:]}\n--- stderr ---\n{proc.stderr[-1500:]}"
@@ -799,13 +740,14 @@ def run_train(plan: Plan, device, data, workdir, name, arch, extra, precision, t
     result_path = os.path.join(workdir, "worker.json")
     if os.path.exists(result_path):
         os.remove(result_path)
-    cmd = [sys.executable, os.path.abspath(__file__), "--train-worker", result_path, "--",
+    cmd = [sys.executable, "-m", "scripts.gpu_check", "--train-worker", result_path, "--",
            *train_args(plan, data, save_dir, arch, precision, device), *extra]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if device.type == "cpu":
         env.setdefault("OMP_NUM_THREADS", "2")
     started = time.time()
-    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+    # from the root, where scripts.gpu_check imports; every path of the run is absolute
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     run = {"name": name, "precision": precision, "arch": arch, "flags": extra, "returncode": proc.returncode,
            "seconds": round(time.time() - started, 1)}
     text = proc.stdout + proc.stderr
@@ -1137,7 +1079,7 @@ def render_markdown(data):
 
 def collect_meta(plan: Plan, device: torch.device, argv):
     meta = {"mode": plan.mode, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": " ".join(["python scripts/gpu_check.py", *argv]),
+            "command": " ".join(["python -m scripts.gpu_check", *argv]),
             "python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "fairseq_agg": __version__, "cpu_count": os.cpu_count()}
     if device.type == "cuda":
@@ -1155,7 +1097,7 @@ def collect_meta(plan: Plan, device: torch.device, argv):
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(prog="python scripts/gpu_check.py", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m scripts.gpu_check", description=__doc__.split("\n")[0])
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (CI)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "gpu_check",
                     help="output folder (default: $OUT or ./gpu_check)")

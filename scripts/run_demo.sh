@@ -5,4 +5,4 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup_env.sh"
 cd "$root"
-exec "$root/.venv/bin/python" -m examples.demo.run "$@"
+exec "$root/.venv/bin/python" -m examples.lm_demo.run "$@"

@@ -7,7 +7,7 @@ import fairseq_runs
 
 @pytest.fixture(scope="session")
 def repo_root():
-    """The checkout the tests run from: examples/ and scripts/ are not part of the installed package."""
+    """The checkout the tests run from: examples/, study/ and scripts/ are not part of the installed package."""
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -7,7 +7,7 @@
   saved windows and identical per-update logs (N mid-epoch, the resumed half crossing an epoch
   boundary);
 * bad input: a non-zero exit naming the flag, before any checkpoint is written;
-* the ``fairseq-agg`` console script and ``python -m fairseq_agg`` print the --user-dir path (the
+* the ``fairseq-agg`` console script and ``python -m fairseq_agg_cli`` print the --user-dir path (the
   runs below use the printed paths).
 """
 import os
@@ -45,7 +45,7 @@ def user_dirs():
     console = run_cli("fairseq-agg", []).stdout.strip()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     module = subprocess.run(
-        [sys.executable, "-m", "fairseq_agg"], capture_output=True, text=True, check=True, env=env
+        [sys.executable, "-m", "fairseq_agg_cli"], capture_output=True, text=True, check=True, env=env
     ).stdout.strip()
     return {"console": console, "module": module}
 

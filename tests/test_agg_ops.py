@@ -3,7 +3,7 @@
 Two kinds of checks:
 
 * the fused, chunked Function against the official three-CE construction
-  (``reference_output_loss`` of scripts/reference_constructions.py): loss, dL/dH and dL/dW, fp32, <= 1e-6
+  (``reference_output_loss`` of tests/support/reference_constructions.py): loss, dL/dH and dL/dW, fp32, <= 1e-6
   relative, for eps in {0, 0.1}, rare and very-rare targets, tied and untied W, several chunk sizes;
 * independent checks of the gate semantics themselves, against a gate matrix written out by hand
   and against fairseq's own ``label_smoothed_nll_loss`` / torch autograd, because the fused function

@@ -124,7 +124,7 @@ def test_auto_window_keeps_the_checkpoints_size():
 
 def test_analyze_refuses_a_dictionary_that_does_not_match_the_checkpoint(lm_data_bin, tmp_path, capsys):
     """One clear line, exit status 2, nothing written: not fairseq's raw size-mismatch traceback."""
-    from fairseq_agg.stats import analyze
+    import fairseq_agg_cli
     import fairseq_runs
 
     fairseq_runs.run_cli("fairseq-train", [lm_data_bin, "--save-dir", tmp_path / "ckpt", "--max-update", "1",
@@ -135,7 +135,7 @@ def test_analyze_refuses_a_dictionary_that_does_not_match_the_checkpoint(lm_data
         f.write("unseenword1 1\nunseenword2 1\n")
     out = tmp_path / "report"
     with pytest.raises(SystemExit) as exc:
-        analyze.main([str(tmp_path / "ckpt" / "checkpoint_last.pt"), "--data", str(other), "--out", str(out), "--cpu"])
+        fairseq_agg_cli.analyze_main([str(tmp_path / "ckpt" / "checkpoint_last.pt"), "--data", str(other), "--out", str(out), "--cpu"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert f"--data {other}" in err and "entries but" in err and "rows" in err

@@ -14,8 +14,8 @@ from fairseq.data import Dictionary
 
 import fairseq_runs as fr
 import fairseq_agg_cli as cli
-from fairseq_agg.fairseq_hooks import madeupword_ids
-from fairseq_agg.stats import analyze as A
+from fairseq_agg.fairseq_facts.dictionary import madeupword_ids
+from fairseq_agg.analysis import analyze as A
 from fairseq_agg.stats import groups as G
 from fairseq_agg.stats.metrics import isotropy, mean_pairwise_cosine, tev_stats
 
@@ -160,7 +160,7 @@ def test_mt_checkpoint_in_process_against_generate_score_reference(mt_ckpt, mt_d
 
 def _main_error(capsys, argv):
     with pytest.raises(SystemExit) as exc:
-        A.main([str(a) for a in argv])
+        cli.analyze_main([str(a) for a in argv])
     assert exc.value.code == 2
     return capsys.readouterr().err
 
@@ -282,7 +282,7 @@ def test_context_window_scores_like_eval_lm(lm_ckpts, lm_data_bin, tmp_path, con
                 "--context-window", ctx, "--max-tokens", "100"]  # other batches than eval-lm's: same scores
         if tokens_per_sample:
             argv += ["--tokens-per-sample", tokens_per_sample]
-        assert A.main([str(a) for a in argv]) == 0
+        assert cli.analyze_main([str(a) for a in argv]) == 0
         report = json.loads((tmp_path / f"ctx{ctx}" / "report.json").read_text())
         assert report["settings"]["context_window"] == ctx
         assert report["settings"]["tokens_per_sample"] == tokens_per_sample

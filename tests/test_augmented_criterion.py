@@ -15,7 +15,7 @@ import torch
 from fairseq import metrics
 
 from fairseq_agg.criterions.augmented_loss import AugmentedLossCriterion
-from fairseq_agg.fairseq_hooks import never_real_ids
+from fairseq_agg.fairseq_facts.dictionary import never_real_ids
 from reference_constructions import reference_output_loss, reference_teacher
 from fairseq_runs import TINY_LM_ARGS, TINY_MT_ARGS, USER_DIR, build_parts, criterion_from_flags, non_pad_features
 from fairseq_runs import read_json_log, run_cli

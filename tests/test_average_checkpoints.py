@@ -246,7 +246,7 @@ def test_unusable_outputs_are_refused_before_any_work(checkpoints, tmp_path):
 
 
 def test_a_failed_write_leaves_the_old_output_and_no_temporary_file(checkpoints, tmp_path, monkeypatch):
-    from fairseq_agg.tools import average_checkpoints
+    import fairseq_agg_cli
 
     _, first, second = checkpoints
     out = tmp_path / "avg.pt"
@@ -259,6 +259,6 @@ def test_a_failed_write_leaves_the_old_output_and_no_temporary_file(checkpoints,
 
     monkeypatch.setattr(torch, "save", save_half_then_fail)
     with pytest.raises(OSError, match="No space left"):
-        average_checkpoints.main(["--inputs", str(first), str(second), "--output", str(out)])
+        fairseq_agg_cli.run_command("average-checkpoints", ["--inputs", str(first), str(second), "--output", str(out)])
     assert out.read_bytes() == b"the previous average"
     assert sorted(os.listdir(tmp_path)) == ["avg.pt", "ckpts"]

@@ -1,7 +1,7 @@
 """The degeneration baselines' math (docs/baselines.md): CosReg, FACE, token-level UL, rare freezing.
 
 * each method's own functions against hand-computed values and a direct construction from the
-  paper's formula (scripts/reference_constructions.py), float64 gradcheck;
+  paper's formula (tests/support/reference_constructions.py), float64 gradcheck;
 * the fused, chunked output layer with each method against the direct reference on materialised
   logits: loss, dL/dH and dL/dW, fp32, <= 1e-6 relative, with padding, tied and untied, several
   chunk sizes, label smoothing 0 and 0.1.

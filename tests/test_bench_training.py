@@ -1,10 +1,11 @@
-"""The whole-step benchmark's accounting of the statistics' cost (scripts/bench_training.py), on
-update times written by hand; the benchmark itself measures, the tests only check its arithmetic."""
+"""The whole-step benchmark's accounting of the statistics' cost (scripts/bench_training.py; the
+arithmetic is tests/support/training_runs.py's), on update times written by hand; the benchmark
+itself measures, the tests only check its arithmetic."""
 import itertools
 
 import pytest
 
-from bench_training import in_run_share, updates_per_second
+from training_runs import in_run_share, updates_per_second
 
 
 def _ends(durations):

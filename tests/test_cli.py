@@ -31,7 +31,7 @@ def _run_importtime(script, args):
 
 
 def test_every_way_to_ask_prints_the_package_dir():
-    for cmd in ([CONSOLE_SCRIPT], [CONSOLE_SCRIPT, "user-dir"], [sys.executable, "-m", "fairseq_agg"]):
+    for cmd in ([CONSOLE_SCRIPT], [CONSOLE_SCRIPT, "user-dir"], [sys.executable, "-m", "fairseq_agg_cli"]):
         proc = _run(cmd, check=True)
         assert os.path.samefile(proc.stdout.strip().splitlines()[-1], fairseq_agg.user_dir()), (cmd, proc.stdout)
 
@@ -114,7 +114,7 @@ def test_every_plugin_model_is_described():
 
 
 def test_flags_of_one_criterion_and_one_named_arch(capsys):
-    assert flags.main(["cross_entropy_agg", "transformer_lm_mlra_gpt"]) == 0
+    assert fairseq_agg_cli.run_command("flags", ["cross_entropy_agg", "transformer_lm_mlra_gpt"]) == 0
     out = capsys.readouterr().out
     agg_alpha = next(r for r in flags.flag_rows("cross_entropy_agg") if r.flag == "--agg-alpha")
     assert "criterion cross_entropy_agg" in out
@@ -130,7 +130,7 @@ def test_flags_of_one_criterion_and_one_named_arch(capsys):
 
 
 def test_flags_without_a_name_lists_everything_and_a_shared_flag_once(capsys):
-    assert flags.main([]) == 0
+    assert fairseq_agg_cli.run_command("flags", []) == 0
     out = capsys.readouterr().out
     for option in flags.component_options():
         for name in flags.plugin_components(option):
@@ -145,7 +145,7 @@ def test_flags_without_a_name_lists_everything_and_a_shared_flag_once(capsys):
 
 def test_flags_output_is_written_atomically(tmp_path, capsys):
     out = tmp_path / "reference.md"
-    assert flags.main(["--markdown", "cross_entropy_cosreg", "--output", str(out)]) == 0
+    assert fairseq_agg_cli.run_command("flags", ["--markdown", "cross_entropy_cosreg", "--output", str(out)]) == 0
     text = out.read_text(encoding="utf-8")
     assert text.startswith("### `--criterion cross_entropy_cosreg`\n") and "| `--cosreg-gamma` |" in text
     assert sorted(os.listdir(tmp_path)) == ["reference.md"]
@@ -153,7 +153,7 @@ def test_flags_output_is_written_atomically(tmp_path, capsys):
     os.umask(umask)
     assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # as open() would create it, not private
     with pytest.raises(SystemExit) as exc:
-        flags.main(["--markdown", "--output", str(tmp_path)])
+        fairseq_agg_cli.run_command("flags", ["--markdown", "--output", str(tmp_path)])
     assert exc.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == f"fairseq-agg flags: error: --output {tmp_path} is a directory; name a file"
 

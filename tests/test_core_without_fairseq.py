@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from fairseq_agg.fairseq_hooks import never_real_ids
+from fairseq_agg.fairseq_facts.dictionary import never_real_ids
 from fairseq_agg.ops import AggLoss, AugmentedLoss, LossRequest, RareFreezing, fused_linear_loss
 from fairseq_runs import TINY_LM_ARGS, build_parts
 

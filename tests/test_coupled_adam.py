@@ -384,7 +384,7 @@ def test_demo_offers_coupled_adam_on_request(lm_data_bin, tmp_path):
     from fairseq import options
 
     from examples import demo_common
-    from examples.demo import run as demo_run
+    from examples.lm_demo import run as demo_run
 
     assert "coupled-adam" in demo_run.METHODS and "coupled-adam" not in demo_run.DEFAULT_METHODS
     assert demo_common.registered_methods({"coupled-adam": demo_run.METHODS["coupled-adam"]}) == {"coupled-adam": None}

@@ -1,22 +1,35 @@
 """The prepared accelerator check (scripts/device/gpu_check.sh) in its CPU smoke mode, so that it
 cannot rot while no accelerator is lent: the same code paths at tiny shapes, real fairseq-train
-subprocesses, and real comparisons of the fused output layer with the float64 reference."""
+subprocesses, and real comparisons of the fused output layer with the float64 reference. The check
+runs as the command it is (``python -m scripts.gpu_check``, from the root), never imported."""
 import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
-import gpu_check
+from training_runs import fairseq_precision_problem
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GPU_CHECK_PY = os.path.join(REPO, "scripts", "gpu_check.py")
+GPU_CHECK = [sys.executable, "-m", "scripts.gpu_check"]
 GPU_CHECK_SH = os.path.join(REPO, "scripts", "device", "gpu_check.sh")
 PREPARE_SH = os.path.join(REPO, "scripts", "device", "prepare.sh")
-PLAN = gpu_check.CPU_SMOKE_PLAN
+# The sizes of the check's CPU smoke plan (CPU_SMOKE_PLAN in scripts/gpu_check.py) that the tests
+# below expect, and its tolerances against the float64 reference
+PLAN = types.SimpleNamespace(shapes=("LM", "MT"), bench_dtypes=("bf16", "fp32"), repeats=2, chunk_sweep=(64, 256),
+                             updates=4, train_mlra_arch="transformer_lm_mlra_gpt2_small", stats_shape=(2000, 64))
+TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
+
+
+def _run_check(args, extra_env=None, timeout=600):
+    """``python -m scripts.gpu_check ARGS`` from the repository root."""
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    env.update(extra_env or {})
+    return subprocess.run(GPU_CHECK + list(args), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _run_sh(script, args, out_dir, extra_env=None, timeout=600):
@@ -48,13 +61,13 @@ def test_smoke_runs_every_part(smoke):
 
 def test_fused_output_layer_matches_the_reference(smoke):
     part = smoke[0]["parts"]["correctness"]
-    assert part["passed"] is True
+    assert part["passed"] is True and part["tolerance"] == TOLERANCE
     cases = {(c["case"], c["dtype"]): c for c in part["cases"]}
     names = ("CE", "AGG eps=0", "AGG eps=0.1", "AL")
     assert set(cases) == {(case, dtype) for case in names for dtype in ("fp32", "bf16")}
     for (case, dtype), c in cases.items():
         for quantity in ("loss", "nll", "dH", "dW"):
-            assert math.isfinite(c[quantity]) and c[quantity] <= gpu_check.TOLERANCE[dtype], (case, dtype, quantity, c)
+            assert math.isfinite(c[quantity]) and c[quantity] <= TOLERANCE[dtype], (case, dtype, quantity, c)
     # fp32 agrees far more closely than bf16: the comparison is against float64, not against itself
     assert max(cases[("CE", "fp32")][q] for q in ("dH", "dW")) < 1e-5
     assert cases[("CE", "bf16")]["dW"] > cases[("CE", "fp32")]["dW"]
@@ -136,27 +149,37 @@ def test_markdown_has_every_section(smoke):
 
 
 def test_a_failing_part_is_recorded_and_the_next_still_runs(tmp_path):
-    report = gpu_check.Report(str(tmp_path), {"mode": "cpu-smoke", "date": "-", "device": "-", "torch": "-",
-                                               "python": "-", "fairseq_agg": "-", "command": "-"})
-    budget = gpu_check.Budget(deadline=float("inf"))
-
-    def broken():
-        raise RuntimeError("out of memory")
-
-    report.run_part("correctness", broken, budget, 1)
-    report.run_part("stats", lambda: {"V": 1}, budget, 1)
-    report.run_part("train", lambda: {}, gpu_check.Budget(deadline=0.0), 1)
-    parts = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]
+    # a sitecustomize module makes the correctness part raise in the check's process: the report
+    # records the error, and the statistics part after it still runs
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "from fairseq_agg.ops import output_chunk\n"
+        "def describe_kernel(*args, **kwargs):\n"
+        "    raise RuntimeError('out of memory')\n"
+        "output_chunk.describe_kernel = describe_kernel\n")
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
+    proc = _run_check(["--cpu-smoke", "--parts", "correctness,stats", "--out", str(tmp_path / "broken")],
+                      {"PYTHONPATH": path})
+    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
+    parts = json.loads((tmp_path / "broken" / "gpu_check.json").read_text())["parts"]
     assert parts["correctness"]["status"] == "error" and "out of memory" in parts["correctness"]["error"]
     assert parts["stats"]["status"] == "ok"
+    # a part the time left cannot hold is recorded as skipped
+    proc = _run_check(["--cpu-smoke", "--parts", "train", "--deadline", "1", "--out", str(tmp_path / "late")])
+    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
+    parts = json.loads((tmp_path / "late" / "gpu_check.json").read_text())["parts"]
     assert parts["train"]["status"] == "skipped" and "time budget" in parts["train"]["reason"]
 
 
 def test_bad_arguments_are_refused_up_front(tmp_path):
-    proc = subprocess.run([sys.executable, GPU_CHECK_PY, "--cpu-smoke", "--out",
-                           str(tmp_path), "--parts", "correctness,speed"], capture_output=True, text=True)
+    proc = _run_check(["--cpu-smoke", "--out", str(tmp_path), "--parts", "correctness,speed"])
     assert proc.returncode != 0 and "--parts" in proc.stderr and "speed" in proc.stderr
     assert not (tmp_path / "gpu_check.json").exists()
+    # run as a file, the check cannot import its library: it says how to run it instead
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "gpu_check.py"), "--help"],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and "python -m scripts.gpu_check" in proc.stderr
     proc = _run_sh(GPU_CHECK_SH, ["--budget-s", "ten"], tmp_path)
     assert proc.returncode == 2 and "--budget-s" in proc.stderr
     proc = _run_sh(PREPARE_SH, ["--python-version", "twelve"], tmp_path)
@@ -178,17 +201,16 @@ def test_precisions_fairseq_cannot_train_at_are_named():
     args = options.parse_args_and_arch(
         options.get_training_parser(), ["data-bin", "--task", "language_modeling", "--arch", "transformer_lm", "--bf16"]
     )
-    reason = gpu_check.fairseq_precision_problem("bf16")
+    reason = fairseq_precision_problem("bf16")
     assert (reason is not None) == bool(args.tpu)
     if reason:
         assert "--tpu" in reason
-    assert gpu_check.fairseq_precision_problem("fp16") is None
+    assert fairseq_precision_problem("fp16") is None
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a GPU")
 def test_without_a_gpu_the_output_says_so(tmp_path):
-    proc = subprocess.run([sys.executable, GPU_CHECK_PY, "--out", str(tmp_path)],
-                          capture_output=True, text=True)
+    proc = _run_check(["--out", str(tmp_path)])
     assert proc.returncode == 1
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     assert "no CUDA device" in data["error"] and data["parts"] == {}
@@ -205,9 +227,7 @@ def test_training_records_survive_a_root_logger_configured_before_fairseq(tmp_pa
     (site / "sitecustomize.py").write_text("import logging\nlogging.basicConfig(level=logging.WARNING)\n")
     out = tmp_path / "out"
     path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="2")
-    proc = subprocess.run([sys.executable, GPU_CHECK_PY, "--cpu-smoke", "--parts", "train", "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = _run_check(["--cpu-smoke", "--parts", "train", "--out", str(out)], {"PYTHONPATH": path})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     runs = json.loads((out / "gpu_check.json").read_text())["parts"]["train"]["runs"]
     assert len(runs) == 4

@@ -13,7 +13,7 @@ from fairseq.modules import MultiheadAttention
 
 import fairseq_runs as fr
 from fairseq_agg.errors import UsageError
-from fairseq_agg.models.mlra_options import AttentionSite, MLRAOptions
+from fairseq_agg.modules.mlra_options import AttentionSite, MLRAOptions
 from fairseq_agg.modules.mlra import MultiheadLowRankAttention
 
 torch.set_num_threads(1)
@@ -188,11 +188,11 @@ def test_rank_refusals_are_one_line_usage_errors(rank):
 
 def test_option_and_width_refusals_are_usage_errors():
     cases = [
-        (lambda: MLRAOptions(mode="blocks"), "--mlra-mode must be one of shared,per_head; got 'blocks'"),
-        (lambda: MLRAOptions(init="xavier"), "--mlra-init must be one of gpt2,matched; got 'xavier'"),
-        (lambda: MLRAOptions(rebalance="width"), "--mlra-rebalance must be one of none,ffn,depth; got 'width'"),
+        (lambda: MLRAOptions(mode="blocks"), "--mlra-mode must be one of shared, per_head, got 'blocks'"),
+        (lambda: MLRAOptions(init="xavier"), "--mlra-init must be one of gpt2, matched, got 'xavier'"),
+        (lambda: MLRAOptions(rebalance="width"), "--mlra-rebalance must be one of none, ffn, depth, got 'width'"),
         (lambda: MLRAOptions(self_attention="both"),
-         "--mlra-self-attention must be one of all,encoder,decoder,none; got 'both'"),
+         "--mlra-self-attention must be one of all, encoder, decoder, none, got 'both'"),
         (lambda: MLRAOptions(targets="q,x"), "--mlra-targets must be a non-empty comma-separated subset of q,k,v,o; "
                                              "got 'q,x'"),
         (lambda: MLRAOptions().validate([AttentionSite("decoder", "decoder self-attention", 30, 4, None, True)]),

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from fairseq.modules import MultiheadAttention
 
-from fairseq_agg.models.mlra_options import (
+from fairseq_agg.modules.mlra_options import (
     MLRAOptions,
     break_even_rank,
     default_rank,

@@ -14,7 +14,7 @@ import numpy
 import pytest
 
 import fairseq_agg
-from fairseq_agg.fairseq_hooks import NUMPY_EXTENSION, check_fairseq_extensions_match_numpy
+from fairseq_agg.fairseq_facts.numpy_check import NUMPY_EXTENSION, check_fairseq_extensions_match_numpy
 
 # what numpy 2 prints and Cython's import_array raises for an extension built against numpy 1.x
 NUMPY_2_STDERR = "A module that was compiled using NumPy 1.x cannot be run in\nNumPy 2.2.6 as it may crash.\n" \

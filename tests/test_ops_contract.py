@@ -74,7 +74,7 @@ def test_the_window_bound_is_what_the_ring_allocates():
     vocab = 50000
     bound = max_window(vocab)
     assert bound == MAX_WINDOW_BYTES // (4 * vocab)  # int32 counts, window x V
-    assert AggLoss(vocab, window=bound).window.window == bound  # allocated lazily by torch.zeros: cheap here
+    assert AggLoss(vocab, window=bound).counter.window == bound  # allocated lazily by torch.zeros: cheap here
     with pytest.raises(UsageError, match=rf"^--agg-window must be <= {bound}, got {bound + 1}: a window of K updates"):
         AggLoss(vocab, window=bound + 1)
     with pytest.raises(UsageError, match=rf"^--face-window must be <= {bound}"):
@@ -96,7 +96,7 @@ def test_defaults_and_counting_without_fairseq():
     want = agg_gates(sum(torch.bincount(t, minlength=V) for t in targets), 3, 0.5, 4, threshold_mode="per-update")
     assert torch.equal(gates.rare, want.rare) and torch.equal(gates.g1, want.g1) and torch.equal(gates.g2, want.g2)
     face = FaceLoss(V)  # the released code's estimate: counts over the whole run
-    assert face.counting == "cumulative" and isinstance(face.counts, CumulativeCounts)
+    assert face.counting == "cumulative" and isinstance(face.counter, CumulativeCounts)
 
 
 def rel_err(a, b):

@@ -103,15 +103,15 @@ def test_sdist_and_wheel_contents(built):
     assert meta["License-Expression"] == "MIT"
     assert any(f.endswith(".dist-info/licenses/LICENSE") for f in files)
     assert "fairseq_agg_cli.py" in files and "fairseq_agg/criterions/agg.py" in files
-    assert not any(f.startswith(("tests/", "examples/", "scripts/")) for f in files)
+    assert not any(f.startswith(("tests/", "examples/", "study/", "scripts/")) for f in files)
     entry_points = _wheel_file(built["wheel"], ".dist-info/entry_points.txt")
     assert "fairseq-agg = fairseq_agg_cli:main" in entry_points
     assert "fairseq-agg-analyze = fairseq_agg_cli:analyze_main" in entry_points
 
 
 def test_wheel_holds_no_test_or_benchmark_code(built):
-    """Only what a user runs: the tests' helpers (tests/support), the benchmarks, the accelerator
-    check and the reference constructions (scripts/) stay in the checkout."""
+    """Only what a user runs: the benchmarks and the accelerator check (scripts/), and the tests'
+    helpers and the reference constructions they share with them (tests/support/) stay in the checkout."""
     _, files = _wheel_metadata(built["wheel"])
     checkout_only = {os.path.basename(path) for folder in ("tests", "scripts")
                      for path in glob.glob(os.path.join(REPO, folder, "**", "*.py"), recursive=True)}

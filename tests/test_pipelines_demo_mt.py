@@ -1,4 +1,4 @@
-"""The MT demo (examples/demo_mt): extraction from tiny fixtures in the real Ding and LibreOffice
+"""The MT demo (examples/mt_demo): extraction from tiny fixtures in the real Ding and LibreOffice
 help formats, the splits, and an end-to-end run (fairseq-preprocess, fairseq-train,
 fairseq-generate, sacrebleu) on them."""
 import json
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from examples.demo_mt import data as mtdata
+from examples.mt_demo import data as mtdata
 import fairseq_runs
 
 DING_HEADER = """# Version :: devel 2023-01-30
@@ -122,7 +122,7 @@ def test_mt_demo_end_to_end_on_fixtures(tmp_path, repo_root):
     work = tmp_path / "work"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)  # fairseq-generate loads the checkpoints with safe loading
-    proc = subprocess.run([sys.executable, "-m", "examples.demo_mt.run", "--quick", "--ding-file", ding,
+    proc = subprocess.run([sys.executable, "-m", "examples.mt_demo.run", "--quick", "--ding-file", ding,
                            "--lo-help-dir", lo, "--work-dir", str(work), "--updates", "12", "--vocab-size", "300",
                            "--methods", "baseline", "agg"], cwd=repo_root, capture_output=True, text=True, env=env,
                           timeout=1200)

@@ -206,10 +206,12 @@ def test_train_sh_trains_on_prepared_data(wmt_trained):
 
 def test_average_checkpoints_is_elementwise_mean(wmt_trained, tmp_path):
     from fairseq import checkpoint_utils
+
+    import fairseq_agg_cli
     from fairseq_agg.tools import average_checkpoints
 
     out = str(tmp_path / "avg.pt")
-    assert average_checkpoints.main(["--inputs", wmt_trained["save"], "--num-epoch-checkpoints", "2",
+    assert fairseq_agg_cli.run_command("average-checkpoints", ["--inputs", wmt_trained["save"], "--num-epoch-checkpoints", "2",
                                      "--output", out]) == 0
     torch.serialization.add_safe_globals([argparse.Namespace])
     newest = checkpoint_utils.load_checkpoint_to_cpu(os.path.join(wmt_trained["save"], "checkpoint6.pt"))
@@ -229,7 +231,7 @@ def test_average_checkpoints_is_elementwise_mean(wmt_trained, tmp_path):
     paths = average_checkpoints.find_checkpoints(wmt_trained["save"], 2, "epoch", upper_bound=2)
     assert [os.path.basename(p) for p in paths] == ["checkpoint2.pt", "checkpoint1.pt"]
     with pytest.raises(SystemExit):
-        average_checkpoints.main(["--inputs", wmt_trained["save"], "--num-epoch-checkpoints", "9", "--output", out])
+        fairseq_agg_cli.run_command("average-checkpoints", ["--inputs", wmt_trained["save"], "--num-epoch-checkpoints", "9", "--output", out])
 
 
 def _lines(path):

@@ -1,4 +1,4 @@
-"""The figures of fairseq-agg-analyze (fairseq_agg/stats/plots.py) on small synthetic inputs: PNGs
+"""The figures of fairseq-agg-analyze (fairseq_agg/analysis/plots.py) on small synthetic inputs: PNGs
 are written, and the matplotlib objects have labelled axes, legends outside the axes, shared axes
 across the projection panels and lines told apart by colour, style and marker. No pixel is compared."""
 from collections import OrderedDict
@@ -6,8 +6,8 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from fairseq_agg.stats import analyze as A
-from fairseq_agg.stats import plots
+from fairseq_agg.analysis import analyze as A
+from fairseq_agg.analysis import plots
 from fairseq_agg.stats.metrics import embedding_spectrum
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

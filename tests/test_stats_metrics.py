@@ -9,7 +9,7 @@ import pytest
 import torch
 from fairseq.data import Dictionary
 
-from fairseq_agg.fairseq_hooks import madeupword_ids
+from fairseq_agg.fairseq_facts.dictionary import madeupword_ids
 from fairseq_agg.stats import groups as G
 from fairseq_agg.stats.metrics import (
     ISOTROPY_FORMS,
@@ -21,7 +21,7 @@ from fairseq_agg.stats.metrics import (
     tev_per_token,
     tev_stats,
 )
-from fairseq_agg.stats.perplexity import group_nll_sums, perplexity
+from fairseq_agg.analysis.perplexity import group_nll_sums, perplexity
 
 
 def _np_logsumexp(x, axis=0):

@@ -1,4 +1,4 @@
-"""The study runner (examples/study, scripts/run_study.sh): its metrics against hand-computed
+"""The study runner (study/, scripts/run_study.sh): its metrics against hand-computed
 values, greedy decoding on a hand-built and a real tiny model, the report's marks, bad flags, and
 one smoke run per part with real fairseq subprocesses on the demos' test fixtures, including
 resuming (a finished run is never redone; an interrupted one is)."""
@@ -11,10 +11,10 @@ import types
 import pytest
 import torch
 
-from examples.study import metrics as M
-from examples.study import parts as P
-from examples.study import report as R
-from examples.study.uniq import fairseq_next_logits, greedy_continuations, prefix_windows
+from study import metrics as M
+from study import parts as P
+from study import report as R
+from study.uniq import fairseq_next_logits, greedy_continuations, prefix_windows
 from test_pipelines_demo import make_bible_sqlite
 from test_pipelines_demo_mt import ding_fixture, lo_fixture
 
@@ -95,14 +95,14 @@ def test_report_marks_the_methods_that_differ_beyond_the_spread(tmp_path):
                 "metrics": {"test_ppl": ppl, "isotropy": iso, "isotropy_raw": iso, "mean_cos": 0.1,
                             **{f"test_ppl_{g}": ppl for g in R.GROUPS}}}
 
-    specs = P.run_specs("alpha", "smoke", [1, 2])
+    specs = P.run_specs(P.PARTS["alpha"], "smoke", [1, 2])
     results = [result("baseline", 1, 100.0, 0.5), result("baseline", 2, 102.0, 0.6),
                result("agg-a0.03", 1, 110.0, 0.9), result("agg-a0.03", 2, 111.0, 0.92),
                result("freeze", 1, 101.0, 0.55), result("freeze", 2, 103.0, 0.65)]
     a = types.SimpleNamespace(budget="smoke", jobs=2)
     spikes = dict(P.SPIKE_DEFAULTS)
     invocations = [{"seconds": 90.0, "runs_trained": 6}, {"seconds": 30.0, "runs_trained": 1}]
-    out = R.make_report("alpha", a, P.BUDGET["alpha"]["smoke"], specs, results, str(tmp_path), spikes, invocations)
+    out = R.make_report(P.PARTS["alpha"], a, P.BUDGET["alpha"]["smoke"], specs, results, str(tmp_path), spikes, invocations)
     table = open(os.path.join(out, "table.md"), encoding="utf-8").read()
     assert "6.0 min of runs" in table and "trained them: 1.5 min (6 runs); 0.5 min (1 run)." in table
     rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines() if line.startswith("| ")}
@@ -165,7 +165,7 @@ def work(tmp_path_factory):
 
 def study(repo_root, args, timeout=900):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-m", "examples.study.run"] + [str(x) for x in args], cwd=repo_root,
+    proc = subprocess.run([sys.executable, "-m", "study.run"] + [str(x) for x in args], cwd=repo_root,
                           capture_output=True, text=True, env=env, timeout=timeout)
     return proc, proc.stdout + proc.stderr
 
@@ -267,8 +267,8 @@ def test_greedy_continuations_of_a_real_checkpoint_are_its_argmax(work, repo_roo
     state kept, the last-position output layer equal to the full one)."""
     proc, out = study(repo_root, smoke_args(fixtures, work, "depth", "baseline-L1"))
     assert proc.returncode == 0, out[-4000:]
-    from fairseq_agg.stats.checkpoints import load_checkpoint, load_model_and_task
-    from examples.study.uniq import split_stream
+    from fairseq_agg.analysis.checkpoints import load_checkpoint, load_model_and_task
+    from study.uniq import split_stream
 
     ckpt = str(work / "depth" / "baseline-L1-s1" / "checkpoint_last.pt")
     data = str(work / "_data" / "lm" / "data" / "data-bin")
@@ -294,9 +294,9 @@ def test_lm_parts_decay_the_learning_rate_to_zero_and_the_mt_part_trains_the_dem
     i = demo.index("--lr-scheduler")
     assert list(flags[:i]) == demo[:i] and list(flags[i + 2:]) == demo[i + 2:]  # nothing else changes
     for part in ("lm", "alpha", "depth"):
-        spec = P.run_specs(part, "default", [1])[0]
+        spec = P.run_specs(P.PARTS[part], "default", [1])[0]
         assert spec.train_flags == flags
-    mt = P.run_specs("mt", "default", [1, 2, 3])
+    mt = P.run_specs(P.PARTS["mt"], "default", [1, 2, 3])
     assert [s.run_id for s in mt] == ["baseline-s1", "agg-s1", "baseline-s2", "agg-s2", "baseline-s3", "agg-s3"]
     assert all(s.train_flags == tuple(P.mt_demo.COMMON_TRAIN) for s in mt)
 

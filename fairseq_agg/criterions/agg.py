@@ -20,7 +20,8 @@ from fairseq import metrics
 from fairseq.criterions import register_criterion
 from fairseq.dataclass import ChoiceEnum
 
-from fairseq_agg.fairseq_hooks import data_parallel_group, is_translation_task
+from fairseq_agg.fairseq_facts.distributed import data_parallel_group
+from fairseq_agg.fairseq_facts.training_loop import is_translation_task
 from fairseq_agg.ops import AggLoss, RareFreezing, gate_statistics
 from fairseq_agg.ops.agg_gates import resolve_threshold
 from fairseq_agg.stats.groups import frequency_groups, parse_fractions
@@ -115,14 +116,15 @@ class AggCriterion(OutputLossCriterion):
         self.freezing = freezing if cfg.agg_freeze_rare else None
         self.augmented = augmented_loss_from_config(cfg, self.dictionary)
         self.refuse_output_kernel(teacher=self.augmented.fused_teacher)
-        self.keep_in_checkpoints(window=self.agg.window)  # the window travels with every checkpoint
-        self.last_gates = None  # the gates of the latest training micro-batch
+        self.keep_in_checkpoints(window=self.agg.counter)  # the window travels with every checkpoint
+        # public, for inspection: the gates of the latest training micro-batch (None after validation)
+        self.last_gates = None
         self._threshold_logged = False
-        if self.agg.window.is_configured:
+        if self.agg.counter.is_configured:
             self.log_threshold()
 
     def on_epoch_batches(self, batches_per_epoch):
-        self.set_epoch_window(self.agg.window, batches_per_epoch, "AGG")
+        self.set_epoch_window(self.agg.counter, batches_per_epoch, "AGG")
         self.log_threshold()  # also after a resume, whose window came from the checkpoint
 
     def check_model(self, model):

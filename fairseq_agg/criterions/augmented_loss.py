@@ -21,7 +21,7 @@ from fairseq.criterions import register_criterion
 from fairseq.dataclass import ChoiceEnum
 
 from fairseq_agg.errors import UsageError
-from fairseq_agg.fairseq_hooks import never_real_ids
+from fairseq_agg.fairseq_facts.dictionary import never_real_ids
 from fairseq_agg.ops import AugmentedLoss
 from fairseq_agg.ops.augmented import SCALES
 

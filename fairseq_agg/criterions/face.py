@@ -17,7 +17,7 @@ from fairseq import metrics
 from fairseq.criterions import register_criterion
 from fairseq.dataclass import ChoiceEnum
 
-from fairseq_agg.fairseq_hooks import data_parallel_group
+from fairseq_agg.fairseq_facts.distributed import data_parallel_group
 from fairseq_agg.ops import FaceLoss
 from fairseq_agg.ops.face import COUNTINGS, FREQUENCIES, WEIGHINGS
 
@@ -65,11 +65,11 @@ class FaceCriterion(OutputLossCriterion):
             uncounted_id=None if cfg.face_count_eos else self.dictionary.eos(), process_group=data_parallel_group(),
         )
         self.refuse_output_kernel(row_weights=True, argmax=self.face.frequency == "out")
-        self.keep_in_checkpoints(counter=self.face.counts)  # the counts travel with every checkpoint
+        self.keep_in_checkpoints(counter=self.face.counter)  # the counts travel with every checkpoint
 
     def on_epoch_batches(self, batches_per_epoch):
         if self.face.counting == "window":
-            self.set_epoch_window(self.face.counts, batches_per_epoch, "FACE")
+            self.set_epoch_window(self.face.counter, batches_per_epoch, "FACE")
 
     def forward(self, model, sample, reduce=True):
         batch = self.output_batch(model, sample)

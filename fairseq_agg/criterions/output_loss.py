@@ -26,12 +26,10 @@ from fairseq.criterions import FairseqCriterion
 from fairseq.dataclass import ChoiceEnum
 from omegaconf import II
 
-from fairseq_agg.errors import UsageError, check_number, flag_name, plain_value
-from fairseq_agg.fairseq_hooks import (
-    TrainingLoop, anchor_criterion_state, anchored, holds_criterion_state, updates_per_epoch,
-)
+from fairseq_agg.errors import UsageError, check_choice, check_integer, check_number, flag_name, plain_value
+from fairseq_agg.fairseq_facts.checkpoint_state import anchor_criterion_state, anchored, holds_criterion_state
+from fairseq_agg.fairseq_facts.training_loop import TrainingLoop, updates_per_epoch
 from fairseq_agg.ops import LossRequest, LossResult
-from fairseq_agg.ops.checks import check_choice, check_integer
 from fairseq_agg.ops.foreign_kernels import DESCRIPTIONS, FOREIGN_KERNELS, foreign_refusal, load_foreign_kernel
 from fairseq_agg.ops.fused_linear_loss import KERNELS as OUTPUT_KERNELS
 from fairseq_agg.ops.output_chunk import compile_unavailable, describe_kernel

@@ -8,8 +8,8 @@ same model with MultiheadAttention at build time.
 import logging
 from typing import Iterable, NamedTuple, Sequence, Tuple
 
-from fairseq_agg.models.mlra_options import METHOD_NAME, AttentionSite, MLRAOptions
 from fairseq_agg.modules.mlra import MultiheadLowRankAttention, mha_param_count, mlra_param_count
+from fairseq_agg.modules.mlra_options import METHOD_NAME, AttentionSite, MLRAOptions
 
 logger = logging.getLogger(__name__)
 

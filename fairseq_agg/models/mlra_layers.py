@@ -15,7 +15,7 @@ from fairseq.modules.transformer_layer import (
     TransformerEncoderLayerBase,
 )
 
-from fairseq_agg.models.mlra_options import MLRAOptions
+from fairseq_agg.modules.mlra_options import MLRAOptions
 from fairseq_agg.modules.mlra import MultiheadLowRankAttention
 
 

@@ -21,12 +21,13 @@ from fairseq.utils import safe_getattr
 
 from fairseq_agg.models.mlra_budget import log_mlra_summary, mha_baseline_params, rebalance_stack, stack_budget
 from fairseq_agg.models.mlra_layers import MLRATransformerDecoder
-from fairseq_agg.models.mlra_options import AttentionSite, MLRAConfig, MLRAOptions, copy_mlra_flags, fill_mlra_defaults
+from fairseq_agg.models.mlra_config import MLRAConfig, copy_mlra_flags, fill_mlra_defaults
+from fairseq_agg.modules.mlra_options import AttentionSite, MLRAOptions
 
 
 @dataclass
 class TransformerLMMLRAConfig(TransformerLanguageModelConfig, MLRAConfig):
-    """fairseq's transformer_lm flags plus the MLRA flags (models/mlra_options.py: MLRAConfig)."""
+    """fairseq's transformer_lm flags plus the MLRA flags (models/mlra_config.py: MLRAConfig)."""
 
 
 def _self_attention_site(embed_dim: int, num_heads: int) -> AttentionSite:

@@ -26,12 +26,8 @@ from fairseq_agg.models.mlra_budget import (
     stack_budget,
 )
 from fairseq_agg.models.mlra_layers import MLRATransformerDecoder, MLRATransformerEncoder
-from fairseq_agg.models.mlra_options import (
-    AttentionSite,
-    MLRAOptions,
-    TransformerMLRAConfig,
-    fill_mlra_defaults,
-)
+from fairseq_agg.models.mlra_config import TransformerMLRAConfig, fill_mlra_defaults
+from fairseq_agg.modules.mlra_options import AttentionSite, MLRAOptions
 
 
 def _attention_sites(cfg: TransformerConfig, options: MLRAOptions) -> List[AttentionSite]:

@@ -23,9 +23,9 @@ from fairseq.models.fairseq_incremental_decoder import FairseqIncrementalDecoder
 from fairseq.modules.fairseq_dropout import FairseqDropout
 from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.modules.quant_noise import quant_noise
-from fairseq_agg.models.mlra_options import METHOD_NAME, MLRAOptions
 from fairseq_agg.modules.attention_masks import FutureMaskCheck, combined_mask
 from fairseq_agg.modules.low_rank_linear import LowRankLinear, low_rank_param_count, xavier_std
+from fairseq_agg.modules.mlra_options import METHOD_NAME, MLRAOptions
 
 IncrementalState = Dict[str, Dict[str, Optional[Tensor]]]
 
@@ -59,7 +59,7 @@ class MultiheadLowRankAttention(FairseqIncrementalDecoder):
     """Drop-in for ``fairseq.modules.MultiheadAttention`` with low-rank Q/K/V(/O) projections.
 
     Same constructor arguments as MultiheadAttention plus ``rank``, ``mode``, ``init``,
-    ``targets`` (the MLRA flags, validated by :class:`~fairseq_agg.models.mlra_options.MLRAOptions`)
+    ``targets`` (the MLRA flags, validated by :class:`~fairseq_agg.modules.mlra_options.MLRAOptions`)
     and ``where`` (named in errors); the same ``forward`` signature and return values (``attn``
     T x B x C and the weights: B x T x S averaged over heads, H x B x T x S with
     ``need_head_weights``, or the raw scores and values with ``before_softmax``); the same

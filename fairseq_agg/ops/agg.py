@@ -12,12 +12,11 @@ from typing import Optional
 
 import torch
 
-from fairseq_agg.errors import UsageError
+from fairseq_agg.errors import UsageError, check_choice, check_integer
 
 from .agg_gates import (
     G1_MODES, PAPER_TOKENS_PER_UPDATE, THRESHOLD_MODES, TokenGates, agg_gates, check_alpha, frozen_rare_rows,
 )
-from .checks import check_choice, check_integer
 from .counting import CountsPerUpdate, RareTokenWindow
 from .fused_linear_loss import LossRequest, LossResult, fused_linear_loss
 
@@ -60,7 +59,7 @@ class AggLoss(CountsPerUpdate):
             default = PAPER_TOKENS_PER_UPDATE["language_modeling"]
             ref_tokens = check_integer("agg_ref_tokens", default if ref_tokens is None else ref_tokens, 1)
         self.ref_tokens = ref_tokens
-        self.window = self.counts = RareTokenWindow(self.vocab_size, window, flag="agg_window")
+        self.counter = RareTokenWindow(self.vocab_size, window, flag="agg_window")
         self.window_flag = "--agg-window"
         self.all_reduce = bool(all_reduce)
         self.process_group = process_group
@@ -68,7 +67,7 @@ class AggLoss(CountsPerUpdate):
     def gates(self, device=None) -> TokenGates:
         """The gates from the window as it is now (docs/agg.md (A2)-(A4))."""
         gates = agg_gates(
-            self.window.counts, self.window.recorded, self.alpha, self.nspecial, g1_mode=self.g1_mode,
+            self.counter.counts, self.counter.recorded, self.alpha, self.nspecial, g1_mode=self.g1_mode,
             threshold_mode=self.threshold_mode, ref_tokens=self.ref_tokens or 0,
         )
         return gates if device is None else gates.to(device)
@@ -90,7 +89,7 @@ class AggLoss(CountsPerUpdate):
 
     def describe(self) -> str:
         """What ``alpha`` means with these settings, in one line."""
-        size = self.window.window
+        size = self.counter.window
         if self.threshold_mode == "relative":
             return (f"a token is rare below {self.alpha:g} occurrences per {self.ref_tokens} target tokens "
                     f"(relative frequency < {self.alpha / self.ref_tokens:.3g}, whatever the tokens per update); "

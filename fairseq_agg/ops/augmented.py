@@ -19,9 +19,8 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from fairseq_agg.errors import UsageError, check_number
+from fairseq_agg.errors import UsageError, check_choice, check_integer, check_number
 
-from .checks import check_choice, check_integer
 from .fused_linear_loss import (
     LossRequest, LossResult, block_rows, check_output_layer_inputs, fused_linear_loss, loss_dtype,
 )

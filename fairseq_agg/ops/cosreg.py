@@ -21,9 +21,8 @@ from typing import Optional
 
 import torch
 
-from fairseq_agg.errors import check_number
+from fairseq_agg.errors import check_choice, check_number
 
-from .checks import check_choice
 
 NORMALIZERS = ("paper", "pairs")
 ZERO_NORM = 1e-12

@@ -14,9 +14,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from fairseq_agg.errors import UsageError, flag_name
+from fairseq_agg.errors import UsageError, check_integer, flag_name
 
-from .checks import check_integer
 
 logger = logging.getLogger(__name__)
 
@@ -228,33 +227,33 @@ def counted_ids(ids: torch.Tensor, excluded_id: Optional[int]) -> torch.Tensor:
 
 
 class CountsPerUpdate:
-    """What AGG and FACE share: ids counted per optimizer update into ``self.counts`` (a
+    """What AGG and FACE share: ids counted per optimizer update into ``self.counter`` (a
     :class:`RareTokenWindow` or :class:`CumulativeCounts`), summed over the data-parallel ranks of
-    ``process_group`` when ``all_reduce``. Subclasses set ``counts``, ``vocab_size``,
+    ``process_group`` when ``all_reduce``. Subclasses set ``counter``, ``vocab_size``,
     ``window_flag`` (the flag that sizes the window), ``all_reduce``, ``process_group`` and
     ``uncounted_id`` (an id never counted; None = every id)."""
 
-    counts = None
+    counter = None
     uncounted_id: Optional[int] = None
 
     def set_window(self, window: int):
         """Sizes a window created without one (``window=None``); a no-op once it has this size."""
-        self.counts.set_window(window)
+        self.counter.set_window(window)
 
     def start_update(self, update_num: int):
         """Opens the update after ``update_num`` completed ones; again with the same number: a no-op."""
-        if not self.counts.is_configured:
+        if not self.counter.is_configured:
             raise UsageError(f"{self.window_flag} is 0 (auto, one epoch of updates) but the number of updates per "
                              f"epoch is unknown here; pass {self.window_flag} N (N >= 1)")
-        self.counts.start_update(int(update_num) + 1)
+        self.counter.start_update(int(update_num) + 1)
 
     def count(self, ids: torch.Tensor):
         """Adds one micro-batch's (pad-free) ids to the current update."""
         ids = counted_ids(ids, self.uncounted_id)
-        self.counts.add(target_histogram(ids, self.vocab_size, all_reduce=self.all_reduce, group=self.process_group))
+        self.counter.add(target_histogram(ids, self.vocab_size, all_reduce=self.all_reduce, group=self.process_group))
 
     def state_dict(self):
-        return self.counts.state_dict()
+        return self.counter.state_dict()
 
     def load_state_dict(self, state_dict):
-        return self.counts.load_state_dict(state_dict)
+        return self.counter.load_state_dict(state_dict)

@@ -24,9 +24,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from fairseq_agg.errors import UsageError
+from fairseq_agg.errors import UsageError, check_choice, check_integer
 
-from .checks import check_choice, check_integer
 from .counting import CountsPerUpdate, CumulativeCounts, RareTokenWindow, check_window, counted_ids  # noqa: F401
 from .fused_linear_loss import LossRequest, LossResult, fused_linear_loss
 
@@ -134,9 +133,9 @@ class FaceLoss(CountsPerUpdate):
         if self.counting == "cumulative":
             if window is not None:
                 raise UsageError("--face-window needs --face-counting window: cumulative counts have no window")
-            self.counts = CumulativeCounts(self.vocab_size)
+            self.counter = CumulativeCounts(self.vocab_size)
         else:
-            self.counts = RareTokenWindow(self.vocab_size, window, flag="face_window")
+            self.counter = RareTokenWindow(self.vocab_size, window, flag="face_window")
         self.window_flag = "--face-window"
         self.uncounted_id = uncounted_id
         self.all_reduce = bool(all_reduce)
@@ -144,7 +143,7 @@ class FaceLoss(CountsPerUpdate):
 
     def weights(self, device=None) -> FaceWeights:
         """This micro-batch's weights from the counts as they are now."""
-        counts = self.counts.counts.to(device)
+        counts = self.counter.counts.to(device)
         if self.weighing == "pre":
             return FaceWeights(token_weight=face_token_weights(counts))
         return FaceWeights(counts=counts)

@@ -44,9 +44,8 @@ from typing import Callable, NamedTuple, Optional, Protocol
 
 import torch
 
-from fairseq_agg.errors import check_number
+from fairseq_agg.errors import check_choice, check_integer, check_number
 
-from .checks import check_choice, check_integer
 from .foreign_kernels import FOREIGN_KERNELS, foreign_linear_loss
 from .output_chunk import KERNELS as OUTPUT_KERNELS
 from .output_chunk import (

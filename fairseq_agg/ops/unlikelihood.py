@@ -25,9 +25,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from fairseq_agg.errors import check_number
+from fairseq_agg.errors import check_integer, check_number
 
-from .checks import check_integer
 from .fused_linear_loss import LossRequest, LossResult, fused_linear_loss
 from .output_chunk import TermOut
 

@@ -6,7 +6,7 @@ learning rate and its schedulers; the update of every other parameter is adam's,
 and the same ``--fp16`` / ``--memory-efficient-fp16`` / ``--amp`` support, plus
 ``--coupled-adam-matrices`` and ``--coupled-adam-scale``. fairseq builds an optimizer from a bare
 parameter list; which of those tensors are the embedding matrices is read from the model that
-fairseq's Trainer is building the optimizer for (``fairseq_hooks.locate_model_parameters``), and
+fairseq's Trainer is building the optimizer for (``fairseq_facts.optimizer_params.locate_model_parameters``), and
 which tensors of the model are embedding matrices is the statistics' own rule
 (``fairseq_agg.stats.matrices``): ``encoder.embed_tokens``, ``decoder.embed_tokens``,
 ``decoder.output_projection``, tied ones counted once.
@@ -23,7 +23,7 @@ from fairseq.optim import FairseqOptimizer, register_optimizer
 from fairseq.optim.adam import FairseqAdam, FairseqAdamConfig
 
 from ..errors import UsageError, check_number
-from ..fairseq_hooks import locate_model_parameters
+from ..fairseq_facts.optimizer_params import locate_model_parameters
 from ..stats.matrices import MATRIX_CHOICES, embedding_matrices
 from .coupled_adam import CoupledAdam, CoupledBlock
 

@@ -10,7 +10,7 @@ from typing import Optional
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
-from fairseq_agg.errors import UsageError, check_number, flag_name, plain_value
+from fairseq_agg.errors import UsageError, check_choice, check_number, flag_name, plain_value
 
 from . import groups as G
 from .matrices import MATRIX_CHOICES
@@ -94,11 +94,9 @@ TEV_ONLY_FLAGS = ("tev_exclude_special", "tev_exclude_unseen", "tev_effective", 
 GROUP_DEFINITION_FLAGS = ("embed_group_fractions", "embed_group_preset")
 
 
-def _choice(value, name, choices):
-    value = None if value is None else str(plain_value(value))
-    if value is not None and value not in choices:
-        raise UsageError(f"{flag_name(name)} must be one of {', '.join(choices)}, got {value!r}")
-    return value
+def _optional_choice(value, name, choices):
+    """None (the flag's default: not set), or one of ``choices``."""
+    return None if value is None else check_choice(name, value, choices)
 
 
 def _interval(value, name):
@@ -143,8 +141,8 @@ class EmbeddingStatsSettings:
             self.fractions = G.parse_fractions(values["embed_group_fractions"], "--embed-group-fractions")
         except ValueError as e:
             raise UsageError(str(e)) from None
-        self.preset = _choice(values["embed_group_preset"], "embed_group_preset", G.PRESETS)
-        self.matrices = _choice(values["tev_matrices"], "tev_matrices", MATRIX_CHOICES)
+        self.preset = _optional_choice(values["embed_group_preset"], "embed_group_preset", G.PRESETS)
+        self.matrices = _optional_choice(values["tev_matrices"], "tev_matrices", MATRIX_CHOICES)
         self.exclude_special = bool(values["tev_exclude_special"])
         self.exclude_unseen = bool(values["tev_exclude_unseen"])
         self.effective = bool(values["tev_effective"])
@@ -152,7 +150,7 @@ class EmbeddingStatsSettings:
         if init_std is not None:
             check_number("tev_init_std", init_std, 0, low_open=True)
         self.init_std = None if init_std is None else float(init_std)
-        self.iso_rows = _choice(values["iso_rows"], "iso_rows", G.ROW_POLICIES)
+        self.iso_rows = _optional_choice(values["iso_rows"], "iso_rows", G.ROW_POLICIES)
         self._refuse_flags_without_effect(values, cfg)
 
     def _refuse_flags_without_effect(self, values, cfg):

@@ -4,7 +4,7 @@ fairseq's ``Dictionary.finalize`` sorts the types by training count after the ``
 special symbols (``<s>``, ``<pad>``, ``</s>``, ``<unk>`` and any extra specials), so dictionary
 order is frequency order. ``fairseq-preprocess`` then pads the vocabulary to a multiple of 8
 with never-seen ``madeupwordNNNN`` types, which are never trained. Which ids are special or
-``madeupword`` is read from :mod:`fairseq_agg.fairseq_hooks`.
+``madeupword`` is read from :mod:`fairseq_agg.fairseq_facts.dictionary`.
 
 Groups (names ``freq``, ``med``, ``rare``):
 
@@ -25,7 +25,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
-from fairseq_agg.fairseq_hooks import madeupword_ids, nspecial, pad_index, special_ids
+from fairseq_agg.fairseq_facts.dictionary import madeupword_ids, nspecial, pad_index, special_ids
 
 GROUP_NAMES = ("freq", "med", "rare")
 DEFAULT_FRACTIONS = (0.3, 0.5, 0.2)

@@ -24,7 +24,7 @@ that fairseq has reset after a log line is removed at the next reduction, so lin
 measurement carry no key (rather than ``None``).
 
 When: in training, in the forward pass of update N, 2N, ... (the update number is the one the
-task's ``train_step`` receives, through :class:`fairseq_agg.fairseq_hooks.TrainingLoop`; the
+task's ``train_step`` receives, through :class:`fairseq_agg.fairseq_facts.training_loop.TrainingLoop`; the
 weights measured are those after N−1 optimizer steps), at most once per update whatever
 ``--update-freq`` is; resumed runs continue the schedule. In evaluation mode (validation), once per
 validation pass: the pass's aggregator is marked by a hidden ``_embed_stats`` meter (off with
@@ -40,14 +40,15 @@ distinct matrices every key gets a matrix suffix ``_enc`` / ``_dec`` / ``_out``;
 """
 import logging
 import re
-import time
 from collections import OrderedDict
 from typing import Dict, List, Optional
 
 import torch
 from fairseq.logging import metrics
 
-from fairseq_agg.fairseq_hooks import TrainingLoop, is_global_rank0, remove_meter
+from fairseq_agg.fairseq_facts.distributed import is_global_rank0
+from fairseq_agg.fairseq_facts.meters import remove_meter
+from fairseq_agg.fairseq_facts.training_loop import TrainingLoop
 
 from . import groups as G
 from .config import EmbeddingStatsSettings
@@ -193,7 +194,7 @@ class EmbeddingStats:
 
     ``cfg`` holds the :class:`~fairseq_agg.stats.config.EmbeddingStatsConfig` fields (validated
     here; missing ones take their defaults), ``task`` gives the dictionaries, and ``loop`` (the
-    criterion's :class:`~fairseq_agg.fairseq_hooks.TrainingLoop`) the update number; without one,
+    criterion's :class:`~fairseq_agg.fairseq_facts.training_loop.TrainingLoop`) the update number; without one,
     the statistics observe the task themselves when they are on.
     """
 
@@ -205,8 +206,7 @@ class EmbeddingStats:
         self.last_tev = None  # training update of the last measurement
         self.last_iso = None
         self.cache = {}
-        self.elapsed = 0.0  # seconds spent measuring (benchmarks read it)
-        self.measurements = 0
+        self.measurements = 0  # public: how many measurements this run made (one per due update)
         if not self.settings.enabled:
             return
         if self.loop is None:
@@ -250,9 +250,7 @@ class EmbeddingStats:
         if not (tev or iso):
             return None
         measure = is_global_rank0()
-        start = time.perf_counter()
         values = compute_embedding_stats(model, self.settings, self.dictionaries, tev, iso, self.cache, measure)
-        self.elapsed += time.perf_counter() - start
         self.measurements += 1
         if logging_output is not None:
             logging_output.update(values)

@@ -18,7 +18,7 @@ upcast chunk by chunk.
   (the quantity CosReg of Gao et al., ICLR 2019, regularises), exact and O(V·d).
 * :func:`embedding_spectrum` - singular values and right-singular directions (float64).
 
-Per-group perplexity is in :mod:`fairseq_agg.stats.perplexity`.
+Per-group perplexity is in :mod:`fairseq_agg.analysis.perplexity`.
 """
 import math
 from typing import Dict, NamedTuple, Optional

@@ -21,12 +21,12 @@ renamed when complete, so a failure leaves neither a half-written checkpoint nor
 import collections
 import os
 import re
-import sys
 
 import torch
 
-from fairseq_agg.errors import UsageError, atomic_path
-from fairseq_agg.stats.checkpoints import AnalyzeError, load_checkpoint
+from fairseq_agg.errors import UsageError
+from fairseq_agg.files import atomic_path
+from fairseq_agg.analysis.checkpoints import AnalyzeError, load_checkpoint
 
 _EPOCH_RE = re.compile(r"checkpoint(\d+)\.pt")
 _UPDATE_RE = re.compile(r"checkpoint_\d+_(\d+)\.pt")
@@ -160,14 +160,3 @@ def run(args, parser):
     for path in paths:
         print(f"  {path}")
     return 0
-
-
-def main(argv=None):
-    """``fairseq-agg average-checkpoints ...`` (arguments parsed by fairseq_agg_cli)."""
-    from fairseq_agg_cli import run_command
-
-    return run_command("average-checkpoints", argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,8 +3,8 @@
 # Python 3.12 with a CUDA build of torch, Triton, numpy, sentencepiece and sacrebleu, no fairseq and
 # no network. Installs the bundle that scripts/device/prepare.sh made here (offline: only the
 # bundle and what the machine already has), builds fairseq against the torch there, installs this
-# package from the working tree, then runs `python scripts/gpu_check.py` (its
-# docstring lists the four parts). Everything, the install included, fits in --budget-s.
+# package from the working tree, then runs `python -m scripts.gpu_check` from the root (the four
+# parts are in its docstring, its library in tests/support/). All of it, the install included, fits in --budget-s.
 #
 # Usage: bash scripts/device/gpu_check.sh [--cpu-smoke] [--install-only] [--budget-s S] [-- ARGS]
 #   --cpu-smoke     tiny shapes on the CPU in the current Python environment, nothing installed (CI)
@@ -146,7 +146,8 @@ fi
 (( install_only )) && exit 0
 args=(--out "$out" --deadline "$(( t0 + budget ))")
 (( smoke )) && args+=(--cpu-smoke)
-"$py" "$root/scripts/gpu_check.py" "${args[@]}" "${passthrough[@]}"
+# as a module from the root: the check imports tests.support.* (the copy of the working tree has it)
+(cd "$root" && "$py" -m scripts.gpu_check "${args[@]}" "${passthrough[@]}")
 status=$?
 echo "[gpu_check.sh] done in $(( $(date +%s) - t0 )) s (exit $status); results: $out/gpu_check.md"
 exit $status

@@ -12,7 +12,10 @@
 #   SHA256SUMS         checked by gpu_check.sh before it installs anything
 #   INFO.txt           target Python, date, sizes
 # This package itself is not bundled: gpu_check.sh runs in a copy of the working tree and installs
-# the package from there, so the check always measures the code it is run from.
+# the package from there, so the check always measures the code it is run from. That copy also
+# carries the check's own code, run there as `python -m scripts.gpu_check` from the root:
+# scripts/gpu_check.py and the modules it imports from tests/support/ (output_layer_problem,
+# output_layer_steps, reference_constructions, training_runs); nothing of it is bundled either.
 #
 # Usage: scripts/device/prepare.sh [--python-version 3.12] [--dest DIR]
 #   --python-version  target CPython minor version (3.12 for the accelerator machine; another
@@ -30,7 +33,7 @@ while [[ $# -gt 0 ]]; do
   case "$1" in
     --python-version) pyver="${2:?--python-version needs a value such as 3.12}"; shift 2 ;;
     --dest) dest="${2:?--dest needs a folder}"; shift 2 ;;
-    -h|--help) sed -n '2,22p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,25p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "prepare.sh: unknown argument $1 (allowed: --python-version X.Y, --dest DIR)" >&2; exit 2 ;;
   esac
 done

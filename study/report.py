@@ -3,16 +3,16 @@
 
 Every cell is mean ± h over the seeds (h = half the range, :func:`examples.demo_common.fmt`);
 a ``*`` marks a method whose difference to the baseline exceeds the spread
-(:func:`examples.study.metrics.compare_to_baseline`).
+(:func:`study.metrics.compare_to_baseline`). What a part's report holds is said by its
+:class:`study.parts.Part` (its columns, figures and sections), never by its name.
 """
 import os
 import time
 
-from examples.demo.wordsim import DATASETS
 from examples.demo_common import fmt, markdown_table, mean_spread, save_study_figure, seed_band, write_json
-from examples.study import tail_report
-from examples.study.metrics import compare_to_baseline, convergence, count_spikes, group_shares
-from fairseq_agg.stats.plots import pyplot
+from examples.lm_demo.wordsim import DATASETS
+from fairseq_agg.analysis.plots import pyplot
+from study.metrics import compare_to_baseline, convergence, count_spikes, group_shares
 
 GROUPS = ("freq", "med", "rare")
 
@@ -63,13 +63,14 @@ def generated_group_shares(generate_out, dict_path):
 
 
 def headline(part, res):
+    """One finished run of ``part`` in a few numbers (the console's "done" line)."""
     m = res["metrics"]
-    if part == "mt":
+    if not part.corpus.language_model:
         return f"BLEU {m['bleu']:.2f}, chrF {m['chrf']:.2f}"
     text = f"test PPL {m['test_ppl']:.2f}, I(W) {m['isotropy']:.3f}"
-    if part == "depth":
+    if part.by_depth:
         text += f", µTEV {m['tev_mu']:.4f}"
-    if part in ("lm", "tail"):
+    if part.uniq:
         text += f", Uniq {m['uniq']['uniq']}"
     return text
 
@@ -93,42 +94,52 @@ def _pct(path):
     return lambda res: None if get(res) is None else 100.0 * get(res)
 
 
-def columns(part, results, spikes):
-    """[(key, header, digits, getter)] of a part's table."""
-    m = lambda *k: _get(("metrics",) + k)  # noqa: E731
-    ppl = [("test_ppl", "test PPL", 2, m("test_ppl"))] + [
-        (f"test_ppl_{g}", f"test {g}", 1, m(f"test_ppl_{g}")) for g in GROUPS]
-    iso = [("isotropy", "I(W)", 3, m("isotropy")), ("isotropy_raw", "I(W) paper", 3, m("isotropy_raw"))]
-    train_s = ("train_seconds", "train s", 0, _get(("train_seconds",)))
-    if part == "tail":
-        return tail_report.columns(m, results)
-    if part == "lm":
-        cols = [("valid_ppl", "valid PPL", 2, m("valid_ppl"))] + ppl + iso + [
-            ("tev_mu", "µTEV", 4, m("tev_mu")), ("tev_sigma", "σTEV", 4, m("tev_sigma")),
-            ("mean_cos", "mean cos", 3, m("mean_cos"))]
-        stems = sorted({s for r in results for s in (r["metrics"].get("word_similarity") or {})})
-        for stem in stems:
-            shown = DATASETS.get(stem, stem)
-            cols.append((f"ws_{stem}", f"ρ {shown}", 3, m("word_similarity", stem, "single", "rho")))
-            cols.append((f"ws_{stem}_sub", f"ρ {shown} sub", 3, m("word_similarity", stem, "subword", "rho")))
-        return cols + [("uniq", "Uniq", 0, m("uniq", "uniq")), train_s]
-    if part == "alpha":
-        return [ppl[0], ppl[3]] + iso + [("mean_cos", "mean cos", 3, m("mean_cos")),
-                                         ("rare_tokens", "rare tok", 0, _get(("rare_tokens",))), train_s]
-    if part == "depth":
-        return [ppl[0], ("tev_mu", "µTEV", 4, m("tev_mu")), ("tev_sigma", "σTEV", 4, m("tev_sigma")),
-                ("gnorm_spikes", "gnorm spikes", 1, lambda r: len(run_spikes(r, spikes)["gnorm"])),
-                ("loss_spikes", "loss spikes", 1, lambda r: len(run_spikes(r, spikes)["loss"])),
-                ("max_gnorm", "max gnorm", 2, lambda r: max((v for _, v in r["curves"]["gnorm"]), default=None)),
-                train_s]
-    if part == "mt":
-        return [("bleu", "BLEU", 2, m("bleu")), ("chrf", "chrF", 2, m("chrf")),
-                ("bleu_ding", "BLEU Ding", 2, m("bleu_ding")), ("bleu_libreoffice", "BLEU LO", 2, m("bleu_libreoffice")),
-                ("rare_share", "rare % hyp", 2, _pct(("metrics", "token_groups", "hypothesis", "rare"))),
-                ("rare_share_ref", "rare % ref", 2, _pct(("metrics", "token_groups", "reference", "rare"))),
-                ("valid_nll", "valid nll", 3, m("valid_nll")), ("rare_tokens", "rare tok", 0, _get(("rare_tokens",))),
-                train_s]
-    raise ValueError(part)
+def metric(*keys):
+    """The getter of result["metrics"][keys[0]][keys[1]]... (None where a key is missing)."""
+    return _get(("metrics",) + keys)
+
+
+# the columns every part's table may share: (key, header, digits, getter)
+TEST_PPL = [("test_ppl", "test PPL", 2, metric("test_ppl"))] + [
+    (f"test_ppl_{g}", f"test {g}", 1, metric(f"test_ppl_{g}")) for g in GROUPS]
+ISOTROPY = [("isotropy", "I(W)", 3, metric("isotropy")), ("isotropy_raw", "I(W) paper", 3, metric("isotropy_raw"))]
+TEV = [("tev_mu", "µTEV", 4, metric("tev_mu")), ("tev_sigma", "σTEV", 4, metric("tev_sigma"))]
+RARE_TOKENS = ("rare_tokens", "rare tok", 0, _get(("rare_tokens",)))
+TRAIN_SECONDS = ("train_seconds", "train s", 0, _get(("train_seconds",)))
+
+
+# A part's columns: columns(m, results, spikes) -> [(key, header, digits, getter)], where m(*keys)
+# is :func:`metric` (study.parts.Part.columns).
+def lm_columns(m, results, spikes):
+    cols = [("valid_ppl", "valid PPL", 2, m("valid_ppl"))] + TEST_PPL + ISOTROPY + TEV + [
+        ("mean_cos", "mean cos", 3, m("mean_cos"))]
+    stems = sorted({s for r in results for s in (r["metrics"].get("word_similarity") or {})})
+    for stem in stems:
+        shown = DATASETS.get(stem, stem)
+        cols.append((f"ws_{stem}", f"ρ {shown}", 3, m("word_similarity", stem, "single", "rho")))
+        cols.append((f"ws_{stem}_sub", f"ρ {shown} sub", 3, m("word_similarity", stem, "subword", "rho")))
+    return cols + [("uniq", "Uniq", 0, m("uniq", "uniq")), TRAIN_SECONDS]
+
+
+def alpha_columns(m, results, spikes):
+    return [TEST_PPL[0], TEST_PPL[3]] + ISOTROPY + [("mean_cos", "mean cos", 3, m("mean_cos")), RARE_TOKENS,
+                                                    TRAIN_SECONDS]
+
+
+def depth_columns(m, results, spikes):
+    return [TEST_PPL[0], *TEV,
+            ("gnorm_spikes", "gnorm spikes", 1, lambda r: len(run_spikes(r, spikes)["gnorm"])),
+            ("loss_spikes", "loss spikes", 1, lambda r: len(run_spikes(r, spikes)["loss"])),
+            ("max_gnorm", "max gnorm", 2, lambda r: max((v for _, v in r["curves"]["gnorm"]), default=None)),
+            TRAIN_SECONDS]
+
+
+def mt_columns(m, results, spikes):
+    return [("bleu", "BLEU", 2, m("bleu")), ("chrf", "chrF", 2, m("chrf")),
+            ("bleu_ding", "BLEU Ding", 2, m("bleu_ding")), ("bleu_libreoffice", "BLEU LO", 2, m("bleu_libreoffice")),
+            ("rare_share", "rare % hyp", 2, _pct(("metrics", "token_groups", "hypothesis", "rare"))),
+            ("rare_share_ref", "rare % ref", 2, _pct(("metrics", "token_groups", "reference", "rare"))),
+            ("valid_nll", "valid nll", 3, m("valid_nll")), RARE_TOKENS, TRAIN_SECONDS]
 
 
 def run_spikes(res, spikes):
@@ -141,8 +152,8 @@ def run_spikes(res, spikes):
 
 
 def baseline_of(part, name, groups):
-    """The run name a method is compared with: the baseline (at the same depth in the depth part)."""
-    if part == "depth":
+    """The run name a method is compared with: the baseline (at the same depth in a part by depth)."""
+    if part.by_depth:
         return f"baseline-L{groups[name]['depth']}"
     return "baseline"
 
@@ -267,38 +278,32 @@ def figure_depth(summary, names, groups, path):
 # ---------------------------------------------------------------------------- the report
 
 
-NOTES = {
-    "lm": "PPL per sentencepiece token on the test books (fairseq-agg-analyze); valid PPL = fairseq's last "
-          "validation. freq / med / rare = the 30 % / 50 % / 20 % most / medium / least frequent types. I(W) = "
-          "sign-symmetric isotropy (headline), I(W) paper = the AGG paper's form, over the eigenvectors each "
-          "signed so that its largest coordinate is positive (a solver's signs are arbitrary), both of the "
-          "output embedding (tied: the shared matrix; untied: the output projection). "
-          "ρ = Spearman correlation of word similarity (single-token pairs; sub = all pairs, subword average). "
-          "Uniq = distinct tokens in the greedy continuations of test prefixes.",
-    "alpha": "AGG at several α (g1 code = the released code, normalized = a_k / α) beside the baseline, "
-             "rare-token freezing and CosReg; columns as in the lm part; rare tok = AGG's rare set at the last update.",
-    "depth": "Narrow models at several depths: baseline vs MLRA (--mlra-init gpt2 and matched). µTEV / σTEV of the "
-             "tied embedding; a spike is a train_inner value above factor × the median of the previous window values.",
-    "mt": "The MT demo: sacreBLEU / chrF on the held-out test pairs (and BLEU per source); rare % = share of the "
-          "generated (hyp) and reference (ref) target pieces in the rare frequency group (non-special pieces).",
-    "tail": "Word-level LM on the Bibles, Shakespeare and Milton (vocabulary: train count >= 3, else <unk>). PPL per "
-            "word or punctuation token on the held-out works and books, scored like fairseq-eval-lm with a context "
-            "window; paper freq / med / rare = the AGG paper's groups by frequency rank (its 13,000 / 23,000 / 8,256 "
-            "of 44,256 types as fractions of this vocabulary), 30/50/20 = the demo's. I(W) (sign-symmetric), I(W) "
-            "paper (eigenvector signs by a fixed rule), TEV and mean cos: the tied embedding. ρ = Spearman's rho "
-            "of word similarity over the pairs whose two words are in the vocabulary. Uniq = distinct tokens in "
-            "greedy continuations of test prefixes. AGG rare = AGG's rare set at the last update (from the "
-            "checkpoint's window; frozen rows for freeze), rare seen % = its share with non-zero window counts.",
-}
+# the legends under the tables (study.parts.Part.notes; the tail part's: study.tail_report.NOTES)
+LM_NOTES = ("PPL per sentencepiece token on the test books (fairseq-agg-analyze); valid PPL = fairseq's last "
+            "validation. freq / med / rare = the 30 % / 50 % / 20 % most / medium / least frequent types. I(W) = "
+            "sign-symmetric isotropy (headline), I(W) paper = the AGG paper's form, over the eigenvectors each "
+            "signed so that its largest coordinate is positive (a solver's signs are arbitrary), both of the "
+            "output embedding (tied: the shared matrix; untied: the output projection). "
+            "ρ = Spearman correlation of word similarity (single-token pairs; sub = all pairs, subword average). "
+            "Uniq = distinct tokens in the greedy continuations of test prefixes.")
+ALPHA_NOTES = ("AGG at several α (g1 code = the released code, normalized = a_k / α) beside the baseline, "
+               "rare-token freezing and CosReg; columns as in the lm part; rare tok = AGG's rare set at the last "
+               "update.")
+DEPTH_NOTES = ("Narrow models at several depths: baseline vs MLRA (--mlra-init gpt2 and matched). µTEV / σTEV of the "
+               "tied embedding; a spike is a train_inner value above factor × the median of the previous window "
+               "values.")
+MT_NOTES = ("The MT demo: sacreBLEU / chrF on the held-out test pairs (and BLEU per source); rare % = share of the "
+            "generated (hyp) and reference (ref) target pieces in the rare frequency group (non-special pieces).")
 
 
 def make_report(part, a, budget, specs, results, out_dir, spikes, invocations, projection=None, data_report=None):
-    """WORK/PART/report/: table.md, results.json and the part's figures; returns out_dir.
-    ``invocations``: the records of the invocations that trained the part's runs (store.py).
-    ``projection(labels, checkpoints, png)``, when given, draws the lm and tail parts' embedding
-    projections (one panel per method, its first seed) into png: the one figure made from
-    checkpoints, not from result.json; it is left out when a checkpoint is gone. ``data_report``:
-    the tail part's (tail_data.data_report)."""
+    """WORK/PART/report/: table.md, results.json and the figures of ``part`` (a
+    :class:`study.parts.Part`); returns out_dir. ``invocations``: the records of the invocations
+    that trained the part's runs (store.py). ``projection(labels, checkpoints, png)``, when given,
+    draws the embedding projections of a part with ``projections`` (one panel per method, its first
+    seed) into png: the one figure made from checkpoints, not from result.json; it is left out when
+    a checkpoint is gone. ``data_report``: the corpus's own (the tail part's, tail_data.data_report),
+    for the part's own ``section``."""
     os.makedirs(out_dir, exist_ok=True)
     names, groups = [], {}
     for s in specs:
@@ -307,17 +312,17 @@ def make_report(part, a, budget, specs, results, out_dir, spikes, invocations, p
             groups[s.name] = s.group
     by_name = {n: sorted((r for r in results if r["name"] == n), key=lambda r: r["seed"]) for n in names}
     names = [n for n in names if by_name[n]]
-    cols = columns(part, results, spikes)
+    cols = part.columns(metric, results, spikes)
     summary, rows = summarise(part, names, by_name, cols, groups)
     headers = ["run", "seeds"] + [h for _, h, _, _ in cols]
-    lines = [f"# Study part `{part}`", "",
+    lines = [f"# Study part `{part.name}`", "",
              f"Budget `{a.budget}`: {budget['updates']} updates per run; {len(results)} finished runs of "
              f"{len(specs)} planned. Cells: mean±h over the seeds (h = half the range); `*`: the difference to "
              "the baseline exceeds h + h_baseline (needs two seeds or more on both sides).", "",
-             *(tail_report.tables(headers, rows) if part == "tail" else [markdown_table(headers, rows)]), "",
-             NOTES[part], ""]
+             *(part.tables(headers, rows) if part.tables else [markdown_table(headers, rows)]), "",
+             part.notes, ""]
     extra, figures = {}, {}
-    if part in ("lm", "alpha", "depth", "tail"):
+    if part.convergence:
         conv = {}
         for n in names:
             conv[n] = [convergence(r["curves"]["valid_ppl"], r["updates"]) for r in by_name[n]]
@@ -334,24 +339,24 @@ def make_report(part, a, budget, specs, results, out_dir, spikes, invocations, p
                 lines.append(f"Convergence: the {base} valid PPL changed by at most {100 * worst:.2f} % over the last "
                              f"fifth of training (criterion < 1 %): {'met' if ok else '**NOT MET**: not converged'}.")
             lines.append("")
-    if part in ("lm", "tail"):
+    if part.uniq:
         refs = [r["metrics"]["uniq"]["uniq_reference"] for r in results if "uniq" in r["metrics"]]
         u = results[0]["metrics"].get("uniq") or {}
         if refs:
             lines.append(f"Uniq: {u.get('prefixes')} test prefixes of {u.get('prefix_len')} tokens, {u.get('length')} "
                          f"greedy tokens each; the reference continuations have {max(refs)} distinct tokens.")
             lines.append("")
+    if part.word_similarity:
         ws = results[0]["metrics"].get("word_similarity") or {}
         pairs = [f"{DATASETS.get(stem, stem)} {v['single']['pairs']} single-token / {v['subword']['pairs']} all of "
                  f"{v['total_pairs']}" for stem, v in sorted(ws.items()) if v]
         if pairs:
             lines += ["Word-similarity pairs scored: " + "; ".join(pairs) + ".", ""]
-    if part == "tail":
-        more, figures, tail_extra = tail_report.extend(summary, names, by_name, results, len(specs), a.jobs,
-                                                       data_report, out_dir)
+    if part.section:
+        more, figures, own = part.section(summary, names, by_name, results, len(specs), a.jobs, data_report, out_dir)
         lines += more
-        extra.update(tail_extra)
-    if part == "depth":
+        extra.update(own)
+    if part.by_depth:
         extra["spikes"] = {r["run_id"]: run_spikes(r, spikes) for r in results}
         lines.append(f"Spikes: window {spikes['window']}, gnorm factor {spikes['gnorm_factor']}, loss factor "
                      f"{spikes['loss_factor']}.")
@@ -361,26 +366,26 @@ def make_report(part, a, budget, specs, results, out_dir, spikes, invocations, p
                         for r in invocations)
     lines.append(f"Wall time: {run_seconds / 60:.1f} min of runs (sum over runs, training and evaluation); "
                  f"the invocations that trained them: {trained or 'none recorded'}.")
-    if part != "tail":
+    if not part.section:  # a part's own section draws its own learning curves
+        lm = part.corpus.language_model  # a language model's valid PPL, log scale; else the valid loss
         figures["curves"] = figure_curves(by_name, names, os.path.join(out_dir, "learning_curves.png"), [
             ("train_loss", "train loss (bits/token)", False),
-            ("valid_ppl" if part != "mt" else "valid_loss", "valid PPL" if part != "mt" else "valid loss (bits/token)",
-             part != "mt")])
-    if part == "lm":
+            ("valid_ppl" if lm else "valid_loss", "valid PPL" if lm else "valid loss (bits/token)", lm)])
+    if part.group_ppl:
         figures["group_ppl"] = figure_group_ppl(summary, names, os.path.join(out_dir, "group_ppl.png"))
-    if part in ("lm", "tail"):
+    if part.projections:
         ckpts = [os.path.join(os.path.dirname(out_dir), by_name[n][0]["run_id"], "checkpoint_last.pt") for n in names]
         if projection is not None and all(os.path.isfile(c) for c in ckpts):
             figures["projections"] = projection(names, ckpts, os.path.join(out_dir, "projections.png"))
-    if part == "alpha":
+    if part.frontier:
         figures["frontier"] = figure_frontier(summary, names, groups, os.path.join(out_dir, "frontier.png"))
-    if part == "depth":
+    if part.by_depth:
         figures["depth"] = figure_depth(summary, names, groups, os.path.join(out_dir, "depth.png"))
     lines += ["", "Figures: " + ", ".join(os.path.basename(f) for f in figures.values())]
     with open(os.path.join(out_dir, "table.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
     write_json(os.path.join(out_dir, "results.json"), {
-        "part": part, "budget": a.budget, "updates": budget["updates"], "planned_runs": len(specs),
+        "part": part.name, "budget": a.budget, "updates": budget["updates"], "planned_runs": len(specs),
         "finished_runs": len(results), "names": names, "groups": groups, "summary": summary,
         "spike_settings": spikes, **extra, "wall": {"run_seconds": run_seconds, "invocations": invocations},
         "figures": {k: os.path.basename(v) for k, v in figures.items()}, "made": time.time(),

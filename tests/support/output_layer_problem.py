@@ -1,13 +1,16 @@
-"""The output-layer problem that scripts/bench_criterion.py and scripts/gpu_check.py both measure:
-Zipfian targets, AGG window counts, the leaves H and W, fairseq's stock criteria on them, the
-anchors outside this package (PyTorch's ``F.linear_cross_entropy``, the three-matmul floor), and
-the constants and timing helpers of the measurements.
+"""The output-layer problem that the benchmark (scripts/bench_criterion.py) and the GPU check
+(scripts/gpu_check.py) measure and the tests check against: Zipfian targets, AGG window counts,
+the leaves H and W, fairseq's stock criteria on them, the anchors outside this package (PyTorch's
+``F.linear_cross_entropy``, the three-matmul floor), and the constants and timing helpers of the
+measurements. The variants' steps on it are in output_layer_steps.py.
 
-Why this code lives in scripts/ and not in the package: the installed wheel holds only what a user
-runs, so the benchmarks, the GPU check and what they share with the tests (this module,
-reference_constructions.py, synthetic_text.py) stay in the checkout, once each. ``python
-scripts/X.py`` puts scripts/ first on sys.path, so the scripts import these modules by name; the
-tests reach them through pytest's ``pythonpath`` (pyproject.toml: scripts and tests/support).
+Why this code lives in tests/support/ and not in the package: the installed wheel holds only what
+a user runs, so what the commands of scripts/ share with each other and with the tests (this
+module, output_layer_steps.py, reference_constructions.py, synthetic_text.py, training_runs.py)
+stays in the checkout, once each. The commands, run from the repository root as ``python -m
+scripts.X``, import these modules as ``tests.support.X`` (tests/ and tests/support/ are namespace
+packages), and so do these modules among themselves; the tests import them by their bare names
+through pytest's ``pythonpath`` (pyproject.toml), run from the root too (scripts/run_tests.sh).
 """
 import time
 

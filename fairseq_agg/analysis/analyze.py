@@ -9,7 +9,7 @@ the live logging (:mod:`~fairseq_agg.stats.metrics`, :mod:`~fairseq_agg.stats.ma
 (a language model exactly as ``fairseq-eval-lm --context-window C --tokens-per-sample T`` scores
 it, same tokens and same total loss; for MT the target given the source) and reports perplexity per frequency group of the target token, as the AGG paper's
 Table 1. With ``--word-sim FILE ...`` it also reports word similarity (Spearman's ρ between
-embedding cosines and human scores, :mod:`~fairseq_agg.stats.word_similarity`) of every matrix.
+embedding cosines and human scores, :mod:`~fairseq_agg.analysis.word_similarity`) of every matrix.
 Several checkpoints give one comparison table and overlaid figures.
 
 Outputs in ``--out`` (default ``analysis``; checked before any work, each file written under a
@@ -18,9 +18,9 @@ temporary name and renamed when complete): ``report.json``, ``table.md`` (also p
 embedding of each checkpoint projected on its top two right-singular directions, coloured by
 frequency group: a degenerate "narrow cone" vs an isotropic cloud).
 
-The steps live in their own modules: :mod:`~fairseq_agg.stats.checkpoints` (loading),
-:mod:`~fairseq_agg.stats.perplexity` (reusable: ``per_group_perplexity`` for a checkpoint path,
-``group_perplexity`` for a loaded model and task) and :mod:`~fairseq_agg.stats.plots` (figures).
+The steps live in their own modules: :mod:`~fairseq_agg.analysis.checkpoints` (loading),
+:mod:`~fairseq_agg.analysis.perplexity` (reusable: ``per_group_perplexity`` for a checkpoint path,
+``group_perplexity`` for a loaded model and task) and :mod:`~fairseq_agg.analysis.plots` (figures).
 
 report.json schema (version 1)
 ------------------------------
@@ -82,9 +82,12 @@ from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
-from fairseq_agg.errors import UsageError, atomic_output, check_output_directory
+from fairseq_agg.errors import UsageError
+from fairseq_agg.files import atomic_output, check_output_directory
+from fairseq_agg.stats import groups as G
+from fairseq_agg.stats.matrices import EMBEDDING_PARAMS, EmbeddingMatrix, dictionary_for, distinct_matrices, matrix_rows
+from fairseq_agg.stats.metrics import ISOTROPY_FORMS, embedding_spectrum, isotropy, mean_pairwise_cosine, tev_stats
 
-from . import groups as G
 from .checkpoints import (
     AnalyzeError,
     cfg_get,
@@ -95,8 +98,6 @@ from .checkpoints import (
     load_checkpoint,
     load_dictionaries,
 )
-from .matrices import EMBEDDING_PARAMS, EmbeddingMatrix, dictionary_for, distinct_matrices, matrix_rows
-from .metrics import ISOTROPY_FORMS, embedding_spectrum, isotropy, mean_pairwise_cosine, tev_stats
 from .perplexity import per_group_perplexity, scoring_tokens_per_sample
 from .plots import plot_projection, plot_spectrum
 from .word_similarity import WordSimFileError, checkpoint_word_similarity, load_spm, read_word_sim_files
@@ -424,14 +425,3 @@ def run(args, parser):
     for path in output_paths(args.out, not args.no_figures).values():
         print(f"wrote {path}", file=sys.stderr)
     return 0
-
-
-def main(argv=None):
-    """``fairseq-agg-analyze ...``: the arguments are parsed (and --help answered) by fairseq_agg_cli."""
-    from fairseq_agg_cli import analyze_main
-
-    return analyze_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

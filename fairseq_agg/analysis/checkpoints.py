@@ -6,9 +6,9 @@ import os
 import pickle
 from typing import Optional
 
-from fairseq_agg.fairseq_hooks import allow_namespace_in_checkpoints, madeupword_ids
-
-from .matrices import task_dictionaries
+from fairseq_agg.fairseq_facts.checkpoint_state import allow_namespace_in_checkpoints
+from fairseq_agg.fairseq_facts.dictionary import madeupword_ids
+from fairseq_agg.stats.matrices import task_dictionaries
 
 logger = logging.getLogger("fairseq_agg.analyze")
 

@@ -20,7 +20,8 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from . import groups as G
+from fairseq_agg.stats import groups as G
+
 from .checkpoints import AnalyzeError, cfg_get, load_checkpoint, load_model_and_task
 
 

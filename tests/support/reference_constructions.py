@@ -1,7 +1,8 @@
 """Reference constructions, written for clarity, not speed: the test oracle and benchmark baseline.
 
-One copy, in scripts/ beside the benchmarks and the GPU check that run it, outside the installed
-package; the tests import it through pytest's ``pythonpath`` (scripts/output_problem.py says why).
+The tests' oracle, which the benchmark (scripts/bench_criterion.py) and the GPU check
+(scripts/gpu_check.py) also time and check the fused layer against. One copy, in tests/support/,
+outside the installed package; tests/support/output_layer_problem.py says how each side imports it.
 
 ``reference_output_loss`` is the AGG construction of the released code (Yu et al. 2022; docs/agg.md):
 three cross-entropy terms over the same logit values,

@@ -1,8 +1,9 @@
 """Tiny synthetic corpora: sentences from a small Markov "language" with a Zipfian vocabulary, so
 that a model learns something in a few updates (the loss goes down) and rare tokens exist.
 
-Shared by scripts/bench_stats.py and the tests' fairseq runs (tests/support/fairseq_runs.py); see
-scripts/output_problem.py for why such shared code lives in scripts/.
+Used by the tests' fairseq runs (tests/support/fairseq_runs.py, tests/test_study_tail.py) and by
+the statistics benchmark (scripts/bench_stats.py); tests/support/output_layer_problem.py says how
+each side imports it.
 """
 import random
 

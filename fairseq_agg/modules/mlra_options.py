@@ -1,26 +1,24 @@
-"""The command-line flags of the MLRA models and their one validation.
+"""The MLRA options, parsed and validated in one place: the rank rules, the choices of each flag,
+and the attention sites of a model.
 
 MLRA is the stability method of Chung et al. (EMNLP 2024, arXiv 2409.07787, §3), not the
 KV-sharding MLRA of Liu et al. (2026). The paper does not give its rank, factorisation, targets or
 initialisation in the sources available to this project; the defaults here are the project's
 choices, argued in ``docs/mlra.md`` ("Flags").
 
-* :class:`MLRAConfig` / :class:`TransformerMLRAConfig`: the flags (the LM model adds the first to
-  fairseq's ``transformer_lm`` flags, the MT model both to ``transformer``'s).
-* :class:`MLRAOptions`: the flags parsed and validated, in one place. A bad value raises one
-  :class:`~fairseq_agg.errors.UsageError` (a ``ValueError``) that names the flag and the allowed
-  range. The models build it from their config
-  and call :meth:`MLRAOptions.validate` on their :class:`AttentionSite` list at build time, before
-  anything is written; ``MultiheadLowRankAttention`` builds its options through the same class.
+:class:`MLRAOptions` is built by :class:`~fairseq_agg.modules.mlra.MultiheadLowRankAttention` from
+its keywords and by the models from their config (the flags: :mod:`fairseq_agg.models.mlra_config`).
+A bad value raises one :class:`~fairseq_agg.errors.UsageError` (a ``ValueError``) that names the
+flag and the allowed range; the models call :meth:`MLRAOptions.validate` on their
+:class:`AttentionSite` list at build time, before anything is written.
 """
 import logging
-from dataclasses import dataclass, field, fields
-from typing import Iterable, NamedTuple, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Iterable, NamedTuple, Optional, Tuple
 
-from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.utils import safe_getattr
 
-from fairseq_agg.errors import UsageError, check_number
+from fairseq_agg.errors import UsageError, check_choice, check_number
 from fairseq_agg.modules.low_rank_linear import FACTORISATIONS, INITS
 
 logger = logging.getLogger(__name__)
@@ -29,79 +27,6 @@ TARGETS = ("q", "k", "v", "o")
 REBALANCE = ("none", "ffn", "depth")
 SELF_ATTENTION_SCOPES = ("all", "encoder", "decoder", "none")
 METHOD_NAME = "MLRA (Chung et al., 2024, stability)"
-
-
-@dataclass
-class MLRAConfig(FairseqDataclass):
-    """MLRA flags of every MLRA model (docs/mlra.md, "Flags")."""
-
-    attention_rank: Optional[int] = field(
-        default=None,
-        metadata={
-            "help": "MLRA (Chung et al., 2024, stability; not the KV-sharding MLRA) rank r of each "
-            "factorised attention projection. Default: embed_dim/4 (shared) or head_dim/2 "
-            "(per_head). Allowed: 1 <= r <= embed_dim (shared), 1 <= r <= head_dim (per_head)"
-        },
-    )
-    mlra_mode: ChoiceEnum(FACTORISATIONS) = field(
-        default="shared",
-        metadata={
-            "help": "shared: one d_in x r down-projection whose up-projection output is split into "
-            "heads; per_head: every head has its own rank-r factors"
-        },
-    )
-    mlra_init: ChoiceEnum(INITS) = field(
-        default="gpt2",
-        metadata={
-            "help": "gpt2: both factors N(0, 0.02); matched: the product has the per-entry std of "
-            "fairseq's dense (Xavier) init, which separates low rank from small init"
-        },
-    )
-    mlra_targets: str = field(
-        default="q,k,v",
-        metadata={"help": "comma-separated subset of q,k,v,o: the projections to factorise"},
-    )
-    mlra_cross_attention: bool = field(
-        default=False,
-        metadata={"help": "also factorise the encoder-decoder (cross) attention of MT decoders"},
-    )
-    mlra_rebalance: ChoiceEnum(REBALANCE) = field(
-        default="none",
-        metadata={
-            "help": "spend the parameters MLRA saves: none; ffn (widen every FFN of the same "
-            "stack); depth (add whole layers to the stack)"
-        },
-    )
-
-
-@dataclass
-class TransformerMLRAConfig(MLRAConfig):
-    """MLRA flags of the MT model (added to fairseq's TransformerModel flags)."""
-
-    mlra_self_attention: ChoiceEnum(SELF_ATTENTION_SCOPES) = field(
-        default="all",
-        metadata={"help": "which self-attention stacks to factorise: all, encoder, decoder, none"},
-    )
-
-
-MLRA_FLAGS = tuple(f.name for f in fields(TransformerMLRAConfig))
-
-
-def fill_mlra_defaults(args, config_cls=TransformerMLRAConfig):
-    """Architecture-function helper: sets every MLRA flag the user did not give to its default."""
-    for f in fields(config_cls):
-        if f.name in MLRA_FLAGS:
-            setattr(args, f.name, safe_getattr(args, f.name, f.default))
-
-
-def copy_mlra_flags(src, dst, config_cls=TransformerMLRAConfig):
-    """Copies the MLRA flags of ``src`` (a Namespace or DictConfig) onto ``dst`` as plain values
-    (``TransformerConfig.from_namespace`` copies the unknown keys of a Namespace, not of a
-    DictConfig)."""
-    for f in fields(config_cls):
-        if f.name in MLRA_FLAGS:
-            value = safe_getattr(src, f.name, None)
-            setattr(dst, f.name, value if value is None or isinstance(value, (int, bool)) else str(value))
 
 
 # -- rank rules (docs/mlra.md, "Flags" and "Parameter counts") ------------------------------------
@@ -129,13 +54,6 @@ def break_even_rank(mode: str, embed_dim: int, num_heads: int) -> float:
 
 
 # -- the one validation ---------------------------------------------------------------------------
-
-
-def _choice(value, flag: str, allowed: Sequence[str]) -> str:
-    value = str(value)
-    if value not in allowed:
-        raise UsageError(f"{flag} must be one of {','.join(allowed)}; got {value!r}")
-    return value
 
 
 def parse_targets(targets) -> Tuple[str, ...]:
@@ -182,11 +100,11 @@ class MLRAOptions:
 
     def __post_init__(self):
         normalised = dict(
-            mode=_choice(self.mode, "--mlra-mode", FACTORISATIONS),
-            init=_choice(self.init, "--mlra-init", INITS),
+            mode=check_choice("mlra_mode", self.mode, FACTORISATIONS),
+            init=check_choice("mlra_init", self.init, INITS),
             targets=parse_targets(self.targets),
-            rebalance=_choice(self.rebalance, "--mlra-rebalance", REBALANCE),
-            self_attention=_choice(self.self_attention, "--mlra-self-attention", SELF_ATTENTION_SCOPES),
+            rebalance=check_choice("mlra_rebalance", self.rebalance, REBALANCE),
+            self_attention=check_choice("mlra_self_attention", self.self_attention, SELF_ATTENTION_SCOPES),
             cross_attention=bool(self.cross_attention),
         )
         for name, value in normalised.items():
