@@ -8,8 +8,11 @@ definitions are in docs/study.md; each has a test with hand-computed values in t
 * :func:`unique_tokens` - the AGG paper's "Uniq" of a set of continuations;
 * :func:`group_shares` - the share of tokens in each frequency group (MT hypotheses vs references);
 * :func:`compare_to_baseline` - whether a method's difference to the baseline exceeds the spread
-  over seeds (mean ± half the range, :func:`examples.demo_common.mean_spread`).
+  over seeds (mean ± half the range, :func:`examples.demo_common.mean_spread`);
+* :func:`spearman_interval`, :func:`resolvable_difference` - what a word-similarity rho over n pairs
+  can tell apart (Fisher z).
 """
+import math
 import re
 import statistics
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
@@ -101,3 +104,27 @@ def compare_to_baseline(values: Sequence[Optional[float]], baseline: Sequence[Op
         return None
     (m, h), (mb, hb) = mean_spread(vals), mean_spread(base)
     return abs(m - mb) > h + hb
+
+
+# Spearman's rho on n pairs: Fisher's z = atanh(rho) is about normal with variance 1.06 / (n - 3)
+# (Fieller, Hartley & Pearson 1957; 1 / (n - 3) is Pearson's r's), the usual interval for rho.
+SPEARMAN_Z_VARIANCE = 1.06
+Z_95 = 1.959964  # the two-sided 95 % quantile of the normal
+
+
+def spearman_interval(rho: Optional[float], pairs: int, z: float = Z_95) -> Optional[Tuple[float, float]]:
+    """The 95 % interval of a Spearman rho over ``pairs`` word pairs (Fisher z); None without rho or
+    with fewer than 4 pairs."""
+    if rho is None or pairs < 4:
+        return None
+    center, half = math.atanh(max(min(rho, 0.999999), -0.999999)), z * math.sqrt(SPEARMAN_Z_VARIANCE / (pairs - 3))
+    return math.tanh(center - half), math.tanh(center + half)
+
+
+def resolvable_difference(pairs: int, z: float = Z_95) -> Optional[float]:
+    """The smallest difference of two rhos near 0, each over ``pairs`` pairs, that exceeds z
+    standard errors of their difference in Fisher z (treating them as independent, which two
+    embeddings scored on the same pairs are not, so a conservative yardstick)."""
+    if pairs < 4:
+        return None
+    return math.tanh(z * math.sqrt(2 * SPEARMAN_Z_VARIANCE / (pairs - 3)))

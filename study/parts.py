@@ -55,7 +55,7 @@ TAIL_DEFAULT = dict(LM_DEFAULT, updates=3000)
 # AGG's threshold in the tail part: the paper's (Yu et al. 2022: 0.03 per update of 32,768 target
 # tokens, the default relative threshold mode) and x3 and x1/3 of it
 TAIL_ALPHA = 0.03
-# AGG's other reading of the paper's alpha (issue: the operating point, docs/study.md): the released
+# AGG's other reading of the paper's alpha (docs/agg.md, "The operating point"): the released
 # per-update rule, a_k = count per optimizer update of the window, at 0.03 and x3, x1/3 of it
 PER_UPDATE = ["--agg-threshold-mode", "per-update"]
 

@@ -117,36 +117,19 @@ def group_perplexities(checkpoint: str, data: str, split: str, context_window: i
 
 
 def agg_window_numbers(checkpoint: str, data: str) -> Optional[dict]:
-    """AGG's rare set at the checkpoint's last update, from the window of counts its criterion
-    state holds (``--criterion cross_entropy_agg``, gating or freezing), with the run's own
-    alpha, threshold mode and g1 mode; None for other criteria."""
+    """AGG's rare set and operating point at the checkpoint's last update, from the window of counts
+    its criterion state holds (``--criterion cross_entropy_agg``, gating or freezing), with the
+    run's own alpha, threshold mode and g1 mode, and the rare set's share of the test targets
+    (fairseq-agg-analyze's ``agg`` entry); None for other criteria."""
     from fairseq.data import Dictionary
 
-    from fairseq_agg.ops.agg_gates import agg_gates, resolve_threshold
-    from fairseq_agg.fairseq_facts.dictionary import nspecial
-    from fairseq_agg.analysis.checkpoints import cfg_get, load_checkpoint
+    from fairseq_agg.analysis.agg_window import agg_window_report, split_target_counts
+    from fairseq_agg.analysis.checkpoints import load_checkpoint
 
-    state = load_checkpoint(checkpoint)
-    criterion = state.get("criterion") or {}
-    counts, meta = criterion.get("window.counts"), criterion.get("window.meta")
-    if counts is None or meta is None:
+    state, dictionary = load_checkpoint(checkpoint), Dictionary.load(f"{data}/dict.txt")
+    if "window.counts" not in (state.get("criterion") or {}):
         return None
-    cfg = state.get("cfg")
-    get = lambda key: cfg_get(cfg, "criterion", key)  # noqa: E731
-    mode, ref_tokens = resolve_threshold(get("agg_threshold_mode"), get("agg_ref_tokens"), translation=False)
-    window, _, recorded = (int(v) for v in meta.tolist())
-    dictionary = Dictionary.load(f"{data}/dict.txt")
-    gates = agg_gates(counts, max(recorded, 1), get("agg_alpha"), nspecial(dictionary), get("agg_g1_mode"), mode,
-                      ref_tokens)
-    rare, seen = gates.rare, counts > 0
-    n_rare = int(rare.sum())
-    return {"alpha": get("agg_alpha"), "threshold_mode": mode, "ref_tokens": ref_tokens, "window": window,
-            "window_updates": recorded, "window_tokens": int(counts.sum()), "rare": n_rare,
-            "rare_seen": int((rare & seen).sum()),
-            "rare_seen_fraction": float((rare & seen).sum()) / n_rare if n_rare else None,
-            "frozen": bool(get("agg_freeze_rare")),
-            # what freezing froze: this window set, or the static rare group of the statistics
-            "freeze_set": (get("agg_freeze_set") or "window") if get("agg_freeze_rare") else None}
+    return agg_window_report(state, dictionary, split_target_counts(data, "test", dictionary))
 
 
 def evaluate(ctx, spec, budget, directory, ckpt, lines):

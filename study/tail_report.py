@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 from examples.demo_common import markdown_table, save_study_figure, seed_band
 from examples.lm_demo.wordsim import DATASETS
 from fairseq_agg.analysis.plots import pyplot
-from study.metrics import compare_to_baseline, convergence
+from study.metrics import compare_to_baseline, convergence, resolvable_difference, spearman_interval
 
 GROUPS = ("freq", "med", "rare")
 # Okabe & Ito (2008), "Color Universal Design": black for the baseline, the pale yellow last
@@ -27,6 +27,8 @@ LINE_STYLES = ("-", "--", "-.", ":")
 MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 # the learning-curve panels: AGG's family, and the other remedies; the baseline is in both
 PANELS = (("AGG, its threshold, freezing", ("baseline", "agg", "agg-a0.09", "agg-a0.01", "freeze", "agg+coupled-adam")),
+          ("AGG's operating point: the per-update rule, Table 1's freezing",
+           ("baseline", "agg-pu", "agg-pu-a0.09", "agg-pu-a0.01", "freeze-pu", "freeze-group")),
           ("other remedies", ("baseline", "coupled-adam", "al", "cosreg", "face", "ul")))
 
 # (claim and its source, run, metric key of the summary, expected change, compared with).
@@ -59,6 +61,24 @@ CLAIMS = (
     ("AGG has a lower PPL than UL (same)", "agg", "test_ppl", "down", "ul"),
     ("FACE raises diversity, Uniq (Jiang et al., WWW 2019)", "face", "uniq", "up", "baseline"),
     ("Token-level unlikelihood raises diversity, Uniq (Welleck et al., ICLR 2020)", "ul", "uniq", "up", "baseline"),
+    # at AGG's own operating point: the released per-update rule at alpha 0.03 (a rare type is a
+    # target in at most 3 % of the updates, as in the paper's run; docs/agg.md, "The operating point")
+    ("At the paper's operating point (per-update rule): AGG raises I(W) (Yu et al. 2022, main table)", "agg-pu",
+     "isotropy", "up", "baseline"),
+    ("… also in the paper's form of I(W)", "agg-pu", "isotropy_raw", "up", "baseline"),
+    ("… at about equal test PPL (same source)", "agg-pu", "test_ppl", "same", "baseline"),
+    ("… and lowers the rare group's PPL (Yu et al. 2022, per-group table)", "agg-pu", "test_ppl_rare", "down",
+     "baseline"),
+    ("… raises Uniq (Yu et al. 2022, main table)", "agg-pu", "uniq", "up", "baseline"),
+    ("… improves word similarity on WS353 (Yu et al. 2022)", "agg-pu", "ws_wordsim353", "up", "baseline"),
+    ("… on SimLex-999 (not in the paper)", "agg-pu", "ws_simlex999", "up", "baseline"),
+    ("Freezing the static bottom 20 % raises I(W) (Yu et al. 2022, Table 1: 0.293 → 0.739)", "freeze-group",
+     "isotropy", "up", "baseline"),
+    ("… at equal total PPL (same table: 20.78 → 20.77)", "freeze-group", "test_ppl", "same", "baseline"),
+    ("… while the rare group's PPL rises (same table: 814 → 3,018; the demo's 30/50/20 groups, as Table 1)",
+     "freeze-group", "test_ppl_demo_rare", "up", "baseline"),
+    ("AGG at its operating point has a lower rare-group PPL than Table 1's freezing (30/50/20 groups)", "agg-pu",
+     "test_ppl_demo_rare", "down", "freeze-group"),
 )
 
 
@@ -70,7 +90,19 @@ NOTES = ("Word-level LM on the Bibles, Shakespeare and Milton (vocabulary: train
          "paper (eigenvector signs by a fixed rule), TEV and mean cos: the tied embedding. ρ = Spearman's rho "
          "of word similarity over the pairs whose two words are in the vocabulary. Uniq = distinct tokens in "
          "greedy continuations of test prefixes. AGG rare = AGG's rare set at the last update (from the "
-         "checkpoint's window; frozen rows for freeze), rare seen % = its share with non-zero window counts.")
+         "checkpoint's window; frozen rows for freeze), rare seen % = its share with non-zero window counts, rare "
+         "test tok % = its share of the test targets; rare below /epoch and target share % = AGG's operating "
+         "point (docs/agg.md): the count per epoch below which a type is rare, and the share of updates in which "
+         "a type at that count is a target. freeze-group freezes the static bottom 20 % (30/50/20 groups), not "
+         "the AGG rare set these columns show.")
+
+
+def _percent(key):
+    """100 x metrics.agg_window[key], or None."""
+    def get(r):
+        value = (r["metrics"].get("agg_window") or {}).get(key)
+        return None if value is None else 100.0 * value
+    return get
 
 
 def columns(m, results, spikes=None):
@@ -86,9 +118,10 @@ def columns(m, results, spikes=None):
     emb += [(f"ws_{stem}", f"ρ {DATASETS.get(stem, stem)}", 3, m("word_similarity", stem, "single", "rho"))
             for stem in stems]
     emb += [("uniq", "Uniq", 0, m("uniq", "uniq")), ("agg_rare", "AGG rare", 0, m("agg_window", "rare")),
-            ("agg_rare_seen", "rare seen %", 1,
-             lambda r: None if (r["metrics"].get("agg_window") or {}).get("rare_seen_fraction") is None
-             else 100.0 * r["metrics"]["agg_window"]["rare_seen_fraction"]),
+            ("agg_rare_seen", "rare seen %", 1, _percent("rare_seen_fraction")),
+            ("agg_rare_test", "rare test tok %", 2, _percent("rare_target_share")),
+            ("agg_rare_below", "rare below /epoch", 3, m("agg_window", "rare_below_per_epoch")),
+            ("agg_target_share", "target share %", 3, _percent("target_share")),
             ("train_seconds", "train s", 0, lambda r: r.get("train_seconds"))]
     return ppl + emb
 
@@ -325,16 +358,87 @@ def figure_rare_set(by_name, names, path) -> Optional[str]:
     return save_study_figure(fig, path)
 
 
+def word_similarity_section(names, by_name) -> List[str]:
+    """Every run's and seed's rho with its 95 % interval (Fisher z over the pair count), and the
+    smallest difference the pair sets can resolve."""
+    stems = sorted({s for rs in by_name.values() for r in rs for s in (r["metrics"].get("word_similarity") or {})})
+    if not stems:
+        return []
+    rows, pairs_of = [], {}
+    for n in names:
+        for r in by_name[n]:
+            row = [n, r["seed"]]
+            for stem in stems:
+                score = ((r["metrics"].get("word_similarity") or {}).get(stem) or {}).get("single") or {}
+                rho, pairs = score.get("rho"), score.get("pairs") or 0
+                pairs_of[stem] = max(pairs_of.get(stem, 0), pairs)
+                ci = spearman_interval(rho, pairs)
+                row.append("-" if ci is None else f"{rho:.3f} [{ci[0]:.3f}, {ci[1]:.3f}] ({pairs})")
+            rows.append(row)
+    resolved = "; ".join(f"{DATASETS.get(stem, stem)} ({pairs_of[stem]} pairs): about "
+                         f"{resolvable_difference(pairs_of[stem]):.2f}" for stem in stems
+                         if resolvable_difference(pairs_of[stem]) is not None)
+    return ["### Word similarity with 95 % intervals", "",
+            markdown_table(["run", "seed"] + [f"ρ {DATASETS.get(stem, stem)} [95 %] (pairs)" for stem in stems], rows),
+            "", "Interval: Fisher's z = atanh(ρ) with variance 1.06 / (pairs − 3) (Spearman's ρ). Two runs' ρ differ "
+            f"beyond 1.96 standard errors of their difference (near ρ = 0, as if independent) only when they differ "
+            f"by more than: {resolved}. Smaller differences cannot be resolved by these pair sets.", ""]
+
+
+def figure_isotropy_vs_rare(by_name, names, path, static_rare: Optional[int] = None) -> Optional[str]:
+    """I(W) against the size of AGG's rare set at the end, one point per run and seed, for every
+    AGG or freezing run of either threshold rule and the baseline (rare set 0); freezing of the
+    static group at that group's size ``static_rare`` (left out without it)."""
+    points = {}
+    for n in names:
+        for r in by_name[n]:
+            window, iso = r["metrics"].get("agg_window"), r["metrics"].get("isotropy")
+            if iso is None or (window is None and n != "baseline"):
+                continue
+            rule = "baseline" if window is None else ("group" if window.get("freeze_set") == "group"
+                                                      else window.get("threshold_mode"))
+            size = 0 if window is None else (static_rare if rule == "group" else window["rare"])
+            if size is not None:
+                points.setdefault((rule, n), []).append((size, iso))
+    if len(points) < 2:
+        return None
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    # colour = the rule, marker = alpha (x1/3, x1, x3), hollow = freezing, a plus = with Coupled Adam
+    colours = {"baseline": OKABE_ITO[0], "relative": OKABE_ITO[1], "per-update": OKABE_ITO[5], "group": OKABE_ITO[3]}
+    for (rule, n), pts in sorted(points.items(), key=lambda kv: kv[0][1]):
+        window = next((r["metrics"].get("agg_window") for r in by_name[n] if r["metrics"].get("agg_window")), None)
+        alpha = None if window is None else window.get("alpha")
+        marker = {"baseline": "*", "group": "D"}.get(rule) or {0.01: "v", 0.09: "^"}.get(alpha, "o")
+        if "coupled-adam" in n:
+            marker = "P"
+        frozen = bool(window and window.get("frozen"))
+        ax.scatter([p[0] + 1 for p in pts], [p[1] for p in pts], label=n if rule == n else f"{n} ({rule})",
+                   marker=marker, facecolors="none" if frozen else colours.get(rule, OKABE_ITO[6]),
+                   edgecolors=colours.get(rule, OKABE_ITO[6]), linewidths=1.5 if frozen else 0.5, s=60)
+    ax.set_xscale("log")
+    ax.set_xlabel("rare set at the end (types, + 1; log scale): AGG's, or the frozen static group")
+    ax.set_ylabel("I(W) (sign-symmetric)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    ax.set_title("isotropy against the rare set, both threshold rules (one point per run and seed)")
+    return save_study_figure(fig, path)
+
+
 def extend(summary, names, by_name, results, planned, jobs, data_report, out_dir):
     """(lines for table.md, {figure name: path}, extra results.json entries) of the tail part."""
     found = claims(summary)
-    lines = claims_table(found) + convergence_section(names, by_name) + timing_section(results, planned, jobs)
-    lines += data_section(data_report)
+    lines = claims_table(found) + word_similarity_section(names, by_name) + convergence_section(names, by_name)
+    lines += timing_section(results, planned, jobs) + data_section(data_report)
     figures = {"curves": figure_curves(by_name, names, os.path.join(out_dir, "learning_curves.png")),
                "group_ppl": figure_group_ppl(summary, names, os.path.join(out_dir, "group_ppl.png"))}
     rare = figure_rare_set(by_name, names, os.path.join(out_dir, "agg_rare.png"))
     if rare:
         figures["agg_rare"] = rare
+    static = ((data_report or {}).get("groups") or {}).get("demo", {}).get("rare")  # the 30/50/20 rare group
+    iso = figure_isotropy_vs_rare(by_name, names, os.path.join(out_dir, "isotropy_vs_rare.png"), static)
+    if iso:
+        figures["isotropy_vs_rare"] = iso
     extra: Dict[str, object] = {"claims": found, "data": data_report,
                                 "agg_window": {r["run_id"]: r["metrics"].get("agg_window") for r in results}}
     return lines, figures, extra

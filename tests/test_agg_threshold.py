@@ -7,6 +7,7 @@
   update it recorded, as a fresh run does, in a unit test and through fairseq's Trainer.
 """
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -185,3 +186,97 @@ def test_the_log_says_once_what_the_threshold_means(lm_data_bin, mt_data_bin, ca
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("AGG: a token is rare")]
     assert len(lines) == 1 and expected in lines[0]
     assert f"{criterion.window.window} updates per window" in lines[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# the operating point (docs/agg.md, "The operating point"), by hand on a real one-epoch run
+
+
+UPDATE_TOKENS = 512  # TINY_LM_ARGS: --max-tokens 512, 64-token blocks, one batch per update
+
+
+@pytest.fixture(scope="module")
+def exact_epoch_bin(lm_data_bin, tmp_path_factory):
+    """The LM fixture's training text cut to exactly 16 updates of 512 tokens (one </s> per line),
+    so that fairseq leaves no block out of the epoch; with its word counts, counted by hand."""
+    import collections
+    import shutil
+
+    from fairseq_runs import run_cli
+
+    raw = os.path.join(os.path.dirname(lm_data_bin), "lm_raw")
+    total = 16 * UPDATE_TOKENS
+    lines, tokens = [], 0
+    for line in open(os.path.join(raw, "train.txt")):
+        words = line.split()
+        if tokens + len(words) + 1 > total - 2:
+            break
+        lines.append(words)
+        tokens += len(words) + 1
+    filler = [word for words in lines for word in words]
+    lines.append(filler[: total - tokens - 1])  # the last line fills the epoch to the token
+    root = tmp_path_factory.mktemp("exact")
+    with open(root / "train.txt", "w") as f:
+        f.writelines(" ".join(words) + "\n" for words in lines)
+    shutil.copy(os.path.join(raw, "valid.txt"), root / "valid_source.txt")
+    run_cli("fairseq-preprocess", ["--only-source", "--trainpref", root / "train.txt", "--validpref",
+                                   root / "valid_source.txt", "--destdir", root / "bin", "--workers", "1"])
+    counts = collections.Counter(word for words in lines for word in words)
+    assert sum(len(words) + 1 for words in lines) == total
+    return str(root / "bin"), counts, total
+
+
+@pytest.mark.parametrize("mode, alpha, extra", [
+    ("relative", 1.0, ["--agg-ref-tokens", "512"]),  # rare below alpha x T / 512 counts per epoch
+    ("per-update", 0.5, ["--agg-threshold-mode", "per-update"]),  # below alpha x U counts per epoch
+])
+def test_the_operating_point_in_the_log_and_in_analyze_equals_the_hand_count(exact_epoch_bin, tmp_path, mode, alpha,
+                                                                               extra):
+    import json
+    import re
+
+    from fairseq.data import Dictionary
+
+    import fairseq_agg_cli
+    from fairseq_runs import USER_DIR, run_cli
+
+    data, counts, tokens = exact_epoch_bin
+    save = tmp_path / "ckpt"
+    proc = run_cli("fairseq-train", [data, "--user-dir", USER_DIR, "--criterion", "cross_entropy_agg",
+                                     "--agg-alpha", str(alpha), "--max-epoch", "1", "--save-dir", save,
+                                     "--no-epoch-checkpoints"] + TINY_LM_ARGS + extra)
+    log = proc.stdout + proc.stderr
+    lines = [line for line in log.splitlines() if "AGG: operating point:" in line]
+    assert len(lines) == 1, log[-3000:]
+    updates = int(re.findall(r"num_updates[ =](\d+)", log)[-1])  # one epoch: all its updates
+    assert updates == tokens // UPDATE_TOKENS
+    below = alpha * tokens / 512 if mode == "relative" else alpha * updates
+    share = below / updates
+    found = re.search(r"rare below ([\d.e+]+) occurrences per epoch \(([\d,]+) target tokens in ([\d,]+) updates "
+                      r"of about ([\d,]+)\); a type at that count is a target in at most ([\d.e+]+) %", lines[0])
+    assert found, lines[0]
+    assert float(found.group(1)) == pytest.approx(below, rel=5e-3)
+    assert int(found.group(2).replace(",", "")) == tokens and int(found.group(3).replace(",", "")) == updates
+    assert float(found.group(5)) == pytest.approx(100 * share, rel=5e-3)
+
+    # analyze reads the same from the checkpoint's window: one epoch counted, so the same numbers,
+    # and the rare set is every dictionary type counted fewer than `below` times in the epoch
+    out = tmp_path / "report"
+    assert fairseq_agg_cli.analyze_main([str(save / "checkpoint_last.pt"), "--data", data, "--out", str(out),
+                                         "--no-ppl", "--no-figures", "--cpu"]) == 0
+    agg = json.load(open(out / "report.json"))["checkpoints"][0]["agg"]
+    assert agg["threshold_mode"] == mode and agg["window"] == agg["window_updates"] == agg["updates_per_epoch"] == updates
+    assert agg["window_tokens"] == tokens
+    assert agg["rare_below_per_epoch"] == pytest.approx(below) and agg["target_share"] == pytest.approx(share)
+    dictionary = Dictionary.load(f"{data}/dict.txt")
+    by_hand = sum(1 for i, word in enumerate(dictionary.symbols) if i >= dictionary.nspecial
+                  and counts.get(word, 0) < below)
+    assert agg["rare"] == by_hand and 0 < by_hand < len(dictionary)
+    # its share of the analysed split's targets (--split valid: every word and each line's </s>)
+    rare_words = {word for i, word in enumerate(dictionary.symbols) if i >= dictionary.nspecial
+                  and counts.get(word, 0) < below}
+    valid = [line.split() for line in open(os.path.join(os.path.dirname(data), "valid_source.txt"))]
+    total = sum(len(words) + 1 for words in valid)
+    assert agg["rare_target_share"] == pytest.approx(sum(w in rare_words for ws in valid for w in ws) / total)
+    table = (out / "table.md").read_text()
+    assert "agg_rare_below_per_epoch" in table and "agg_target_share" in table

@@ -328,3 +328,17 @@ def test_mt_smoke_scores_translations_and_their_rare_share(work, repo_root, fixt
             assert shares and sum(shares) == pytest.approx(1.0)
     table = (work / "mt" / "report" / "table.md").read_text()
     assert "rare % hyp" in table and "| agg | 1 |" in table
+
+
+def test_spearman_interval_and_the_resolvable_difference_by_hand():
+    # rho 0.5 over 103 pairs: z = atanh(0.5) = 0.549306, se = sqrt(1.06 / 100) = 0.102956,
+    # z -+ 1.959964 se = 0.347513 / 0.751100 -> tanh: 0.334170 / 0.635803
+    lo, hi = M.spearman_interval(0.5, 103)
+    assert lo == pytest.approx(0.334170, abs=1e-6) and hi == pytest.approx(0.635803, abs=1e-6)
+    lo, hi = M.spearman_interval(-0.5, 103)  # symmetric in the sign of rho
+    assert (lo, hi) == pytest.approx((-0.635803, -0.334170), abs=1e-6)
+    assert M.spearman_interval(None, 100) is None and M.spearman_interval(0.3, 3) is None
+    # WordSim-353's 146 and SimLex-999's 674 pairs of the tail part: tanh(1.959964 sqrt(2.12 / (n - 3)))
+    assert M.resolvable_difference(146) == pytest.approx(0.234213, abs=1e-6)
+    assert M.resolvable_difference(674) == pytest.approx(0.109724, abs=1e-6)
+    assert M.resolvable_difference(3) is None

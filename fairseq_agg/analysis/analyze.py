@@ -55,6 +55,12 @@ report.json schema (version 1)
                   "groups": {"freq": {"tokens", "nll", "ppl"}, "med": {...}, "rare": {...}},
                   "ungrouped": {"tokens", "nll", "ppl"}}   (types in no group: </s>, <unk>, ...)
                  or null (no --data / --no-ppl),
+          "agg": {"alpha", "threshold_mode", "ref_tokens", "window", "window_updates", "window_tokens",
+                  "rare", "rare_seen", "rare_seen_fraction", "frozen", "freeze_set",
+                  "rare_target_share" (of --split's targets, LM --data) or null,
+                  "tokens_per_update", "target_share", "updates_per_epoch" or null,
+                  "rare_below_per_epoch" or null}   (AGG's window at the checkpoint and its operating
+                 or null (another criterion),        point, docs/agg.md; per epoch: --agg-window 0 only)
           "word_similarity": {                 (null without --word-sim; docs/stats.md, "Word similarity")
             "wordsim353": {                    (the --word-sim file's stem)
               "dec": {"single": {"rho": f or null, "pairs": n},   (both words one dictionary symbol)
@@ -65,7 +71,8 @@ report.json schema (version 1)
         }, ...
       ],
       "table": {"columns": ["label", "matrix", "tev_mu", ..., "ws_wordsim353", "ws_wordsim353_sub", ...],
-                "rows": [[...], ...]},    (ws_ cells: "0.312 (120)" = single-token / subword ρ (pairs))
+                "rows": [[...], ...]},    (ws_ cells: "0.312 (120)" = single-token / subword ρ (pairs);
+                                           agg_rare, agg_rare_below_per_epoch, agg_target_share with AGG)
       "figures": {"spectrum": "spectrum.png", "projection": "projection.png"}
     }
 
@@ -88,6 +95,7 @@ from fairseq_agg.stats import groups as G
 from fairseq_agg.stats.matrices import EMBEDDING_PARAMS, EmbeddingMatrix, dictionary_for, distinct_matrices, matrix_rows
 from fairseq_agg.stats.metrics import ISOTROPY_FORMS, embedding_spectrum, isotropy, mean_pairwise_cosine, tev_stats
 
+from .agg_window import agg_window_report, split_target_counts
 from .checkpoints import (
     AnalyzeError,
     cfg_get,
@@ -226,6 +234,9 @@ def checkpoint_report(path, label, state, opts: AnalyzeOptions):
     iso = rep["matrices"][mat.name]["all"]["isotropy"]
     panel = (f"{label}: {mat.name}, I(W) = {'-' if iso is None else f'{iso:.3f}'}", fd["W"], fd["rows"],
              fd["spectrum"], fd["group_rows"])
+    with_window = "window.counts" in (state.get("criterion") or {})
+    targets = split_target_counts(opts.data, opts.split, main_dict) if with_window and opts.data and main_dict else None
+    rep["agg"] = agg_window_report(state, main_dict, targets)
     rep["ppl"] = None
     if opts.data is not None and opts.ppl:
         if groups is None:
@@ -255,6 +266,12 @@ def _word_sim_cell(score):
     return f"{rho} ({score['pairs']})"
 
 
+# AGG's operating point at the checkpoint (agg_window.py): the rare set's size, the count per
+# epoch below which a type is rare, and the share of updates in which a type at that count is a target
+AGG_COLUMNS = {"agg_rare": "rare", "agg_rare_below_per_epoch": "rare_below_per_epoch",
+               "agg_target_share": "target_share"}
+
+
 def build_table(reports):
     cols = ["label", "matrix"] + list(METRIC_KEYS) + [f"isotropy_{g}" for g in G.GROUP_NAMES]
     with_ppl = any(r.get("ppl") for r in reports)
@@ -263,6 +280,9 @@ def build_table(reports):
     word_sim_files = next((list(r["word_similarity"]) for r in reports if r.get("word_similarity")), [])
     for stem in word_sim_files:
         cols += [f"ws_{stem}", f"ws_{stem}_sub"]
+    with_agg = any(r.get("agg") for r in reports)
+    if with_agg:
+        cols += list(AGG_COLUMNS)
     rows = []
     for r in reports:
         for name, m in r["matrices"].items():
@@ -275,6 +295,8 @@ def build_table(reports):
             for stem in word_sim_files:
                 score = r["word_similarity"][stem][name]
                 row += [_word_sim_cell(score["single"]), _word_sim_cell(score["subword"])]
+            if with_agg:
+                row += [(r.get("agg") or {}).get(key) for key in AGG_COLUMNS.values()]
             rows.append(row)
     return {"columns": cols, "rows": rows}
 

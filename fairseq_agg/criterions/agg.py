@@ -20,8 +20,8 @@ from fairseq import metrics
 from fairseq.criterions import register_criterion
 from fairseq.dataclass import ChoiceEnum
 
-from fairseq_agg.fairseq_facts.distributed import data_parallel_group
-from fairseq_agg.fairseq_facts.training_loop import is_translation_task
+from fairseq_agg.fairseq_facts.distributed import data_parallel_group, data_parallel_world_size
+from fairseq_agg.fairseq_facts.training_loop import is_translation_task, updates_per_epoch
 from fairseq_agg.ops import AggLoss, RareFreezing, gate_statistics
 from fairseq_agg.ops.agg_gates import resolve_threshold
 from fairseq_agg.stats.groups import frequency_groups, parse_fractions
@@ -119,13 +119,14 @@ class AggCriterion(OutputLossCriterion):
         self.keep_in_checkpoints(window=self.agg.counter)  # the window travels with every checkpoint
         # public, for inspection: the gates of the latest training micro-batch (None after validation)
         self.last_gates = None
-        self._threshold_logged = False
+        self._threshold_logged = self._operating_point_logged = False
         if self.agg.counter.is_configured:
             self.log_threshold()
 
     def on_epoch_batches(self, batches_per_epoch):
         self.set_epoch_window(self.agg.counter, batches_per_epoch, "AGG")
         self.log_threshold()  # also after a resume, whose window came from the checkpoint
+        self.log_operating_point(batches_per_epoch)
 
     def check_model(self, model):
         weight = super().check_model(model)
@@ -137,6 +138,17 @@ class AggCriterion(OutputLossCriterion):
         if not self._threshold_logged:
             self._threshold_logged = True
             logger.info(f"AGG: {self.agg.describe()}")
+
+    def log_operating_point(self, batches_per_epoch: int):
+        """Says once, at start-up, where alpha puts AGG's rare set in this run (docs/agg.md, "The
+        operating point"); not for freezing a static group, which ignores the window."""
+        tokens = self.loop.tokens_per_epoch
+        if self._operating_point_logged or not tokens or self.cfg.agg_freeze_rare and self.cfg.agg_freeze_set == "group":
+            return
+        self._operating_point_logged = True
+        if not self.agg.all_reduce:  # --agg-local-counts: each rank counts its own share of the epoch
+            tokens = tokens / data_parallel_world_size()
+        logger.info(f"AGG: {self.agg.describe_operating_point(tokens, updates_per_epoch(batches_per_epoch, self.cfg.update_freq))}")
 
     def forward(self, model, sample, reduce=True):
         batch = self.output_batch(model, sample)

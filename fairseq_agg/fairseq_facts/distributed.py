@@ -17,5 +17,11 @@ def data_parallel_group():
     return distributed_utils.get_data_parallel_group()
 
 
+def data_parallel_world_size() -> int:
+    """The number of data-parallel ranks (1 when not running distributed)."""
+    group = data_parallel_group()
+    return 1 if group is None else torch.distributed.get_world_size(group)
+
+
 def is_global_rank0() -> bool:
     return not _distributed() or torch.distributed.get_rank() == 0

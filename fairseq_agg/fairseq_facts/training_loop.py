@@ -20,6 +20,7 @@ import math
 import weakref
 from typing import Optional
 
+import numpy as np
 import torch
 
 
@@ -35,6 +36,7 @@ class TrainingLoop:
 
     def __init__(self, task=None, train_subset: Optional[str] = None, on_epoch_batches=None, on_begin_epoch=None):
         self.update_num = None
+        self.tokens_per_epoch = None  # target tokens of the training subset (all ranks), once known
         self.ignore_grad = False
         self._on_epoch_batches = on_epoch_batches
         self._on_begin_epoch = on_begin_epoch
@@ -60,7 +62,8 @@ class TrainingLoop:
     def on_train_step(self, update_num: int, ignore_grad: bool):
         self.set_update_num(update_num, ignore_grad)
 
-    def on_train_batches(self, batches_per_epoch: int):
+    def on_train_batches(self, batches_per_epoch: int, tokens_per_epoch: Optional[int] = None):
+        self.tokens_per_epoch = tokens_per_epoch
         if self._on_epoch_batches is not None:
             self._on_epoch_batches(batches_per_epoch)
 
@@ -101,7 +104,7 @@ def _wrap(task):
             except TypeError:  # streaming iterators have no length
                 batches = None
             if batches:
-                _notify(task, "on_train_batches", batches)
+                _notify(task, "on_train_batches", batches, epoch_target_tokens(dataset, iterator))
         return iterator
 
     begin_epoch = task.begin_epoch
@@ -126,6 +129,25 @@ def observe_task(task, listener: TrainingLoop, train_subset: Optional[str] = Non
         task._fairseq_agg_listeners = []
         _wrap(task)
     task._fairseq_agg_listeners.append(weakref.ref(listener))
+
+
+def epoch_target_tokens(dataset, iterator) -> Optional[int]:
+    """The target tokens of one epoch, every rank's share: the sizes (a translation dataset's target
+    sizes; a language-modelling dataset's, one target per token) of the samples in the iterator's
+    batches, which may leave some out (fairseq drops a last incomplete batch); None without sizes."""
+    sizes = getattr(dataset, "tgt_sizes", None)
+    if sizes is None:
+        sizes = getattr(dataset, "sizes", None)
+    if sizes is None:
+        return None
+    sizes = np.asarray(sizes)
+    try:
+        batches = getattr(iterator, "frozen_batches", None)
+        if batches is not None:
+            return int(sum(int(sizes[np.asarray(batch, dtype=np.int64)].sum()) for batch in batches))
+        return int(sizes.sum())
+    except (IndexError, TypeError, ValueError):
+        return None
 
 
 def updates_per_epoch(batches_per_epoch: int, update_freq) -> int:

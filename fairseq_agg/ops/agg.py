@@ -15,7 +15,8 @@ import torch
 from fairseq_agg.errors import UsageError, check_choice, check_integer
 
 from .agg_gates import (
-    G1_MODES, PAPER_TOKENS_PER_UPDATE, THRESHOLD_MODES, TokenGates, agg_gates, check_alpha, frozen_rare_rows,
+    G1_MODES, PAPER_OPERATING_POINT, PAPER_TOKENS_PER_UPDATE, THRESHOLD_MODES, OperatingPoint, TokenGates,
+    agg_gates, check_alpha, frozen_rare_rows, operating_point,
 )
 from .counting import CountsPerUpdate, RareTokenWindow
 from .fused_linear_loss import LossRequest, LossResult, fused_linear_loss
@@ -96,6 +97,21 @@ class AggLoss(CountsPerUpdate):
                     f"{size} updates per window")
         return (f"a token is rare below {self.alpha:g} occurrences per optimizer update (--agg-threshold-mode "
                 f"per-update: the threshold scales with the tokens per update); {size} updates per window")
+
+    def operating_point(self, tokens_per_epoch: float, updates_per_epoch: float) -> OperatingPoint:
+        """The count per epoch below which a type is rare here, and the share of updates in which a
+        type at that count is a target (:func:`~fairseq_agg.ops.agg_gates.operating_point`)."""
+        return operating_point(self.alpha, self.threshold_mode, self.ref_tokens or 0, tokens_per_epoch,
+                               updates_per_epoch)
+
+    def describe_operating_point(self, tokens_per_epoch: float, updates_per_epoch: float) -> str:
+        """:meth:`operating_point` in one line, beside the paper's."""
+        p = self.operating_point(tokens_per_epoch, updates_per_epoch)
+        return (f"operating point: a type is rare below {p.count_per_epoch:.3g} occurrences per epoch "
+                f"({tokens_per_epoch:,.0f} target tokens in {updates_per_epoch:,.0f} updates of about "
+                f"{p.tokens_per_update:,.0f}); a type at that count is a target in at most {100 * p.target_share:.3g} % "
+                f"of the updates (the paper's WikiText-103 LM: below about {PAPER_OPERATING_POINT[0]} per epoch, "
+                f"{100 * PAPER_OPERATING_POINT[1]:g} % of the updates)")
 
 
 
