@@ -349,12 +349,18 @@ def figure_rare_set(by_name, names, path) -> Optional[str]:
                 **{**style[n], "linewidth": 1.2 + 0.8 * (len(shown) - 1 - i)})
         if len(by_name[n]) > 1:
             ax.fill_between(u, lo, hi, color=style[n]["color"], alpha=0.15, linewidth=0)
-    ax.set_xlabel("update")
-    ax.set_ylabel("tokens in AGG's rare set")
     ax.set_yscale("log")
+    return _finish_single_axes(fig, ax, path, "update", "tokens in AGG's rare set",
+                               "AGG's rare set over training (mean over seeds; band: min-max)")
+
+
+def _finish_single_axes(fig, ax, path, xlabel, ylabel, title):
+    """Labels, grid, the legend outside the axes, title; saves the figure."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
-    ax.set_title("AGG's rare set over training (mean over seeds; band: min-max)")
+    ax.set_title(title)
     return save_study_figure(fig, path)
 
 
@@ -417,12 +423,9 @@ def figure_isotropy_vs_rare(by_name, names, path, static_rare: Optional[int] = N
                    marker=marker, facecolors="none" if frozen else colours.get(rule, OKABE_ITO[6]),
                    edgecolors=colours.get(rule, OKABE_ITO[6]), linewidths=1.5 if frozen else 0.5, s=60)
     ax.set_xscale("log")
-    ax.set_xlabel("rare set at the end (types, + 1; log scale): AGG's, or the frozen static group")
-    ax.set_ylabel("I(W) (sign-symmetric)")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
-    ax.set_title("isotropy against the rare set, both threshold rules (one point per run and seed)")
-    return save_study_figure(fig, path)
+    return _finish_single_axes(fig, ax, path, "rare set at the end (types, + 1; log scale): AGG's, or the frozen "
+                               "static group", "I(W) (sign-symmetric)",
+                               "isotropy against the rare set, both threshold rules (one point per run and seed)")
 
 
 def extend(summary, names, by_name, results, planned, jobs, data_report, out_dir):

@@ -121,6 +121,13 @@ TRAIN_CASES = [
      ("--embed-isotropy-interval 0", "--embed-stats-interval")),
     ("stats-preset-on-agg-while-off", AGG + ["--embed-group-preset", "wikitext103-official"],
      ("--embed-group-preset", "--embed-stats-interval")),
+    # the official WikiText-103 groups need more than 36,000 types (the fixture has a few hundred)
+    ("stats-preset-too-small-vocabulary", STATS + ["--embed-stats-interval", "2", "--embed-stats-groups",
+                                                   "--embed-group-preset", "wikitext103-official"],
+     ("--embed-group-preset", "more than 36000")),
+    ("freeze-group-preset-too-small-vocabulary", AGG + ["--agg-freeze-rare", "--agg-freeze-set", "group",
+                                                        "--embed-group-preset", "wikitext103-official"],
+     ("--embed-group-preset", "more than 36000")),
     ("stats-tev-flag-with-isotropy-only", STATS + ["--embed-isotropy-interval", "5", "--tev-exclude-unseen"],
      ("--tev-exclude-unseen", "--embed-stats-interval")),
     # --- MLRA

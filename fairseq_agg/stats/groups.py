@@ -25,6 +25,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
+from fairseq_agg.errors import UsageError
 from fairseq_agg.fairseq_facts.dictionary import madeupword_ids, nspecial, pad_index, special_ids
 
 GROUP_NAMES = ("freq", "med", "rare")
@@ -40,9 +41,9 @@ def parse_fractions(value, flag: str = "--embed-group-fractions") -> Tuple[float
         parts = value.split(",") if isinstance(value, str) else list(value)
         fr = tuple(float(p) for p in parts)
     except (TypeError, ValueError):
-        raise ValueError(f"{flag}: expected three comma-separated numbers like 0.3,0.5,0.2, got {value!r}")
+        raise UsageError(f"{flag}: expected three comma-separated numbers like 0.3,0.5,0.2, got {value!r}") from None
     if len(fr) != 3 or any(not (0.0 <= f <= 1.0) for f in fr) or abs(sum(fr) - 1.0) > 1e-6:
-        raise ValueError(
+        raise UsageError(
             f"{flag}: expected three fractions in [0, 1] (frequent, medium, rare) that sum to 1, got {value!r}"
         )
     return fr
@@ -119,10 +120,10 @@ def frequency_groups(
     V = _size(dictionary, num_rows)
     if preset is not None:
         if preset not in PRESETS:
-            raise ValueError(f"{flag}: unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+            raise UsageError(f"{flag}: unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
         b1, b2 = PRESETS[preset]
         if V <= b2:
-            raise ValueError(
+            raise UsageError(
                 f"{flag} {preset} uses the id ranges [0,{b1}), [{b1},{b2}), [{b2},V) and needs a "
                 f"vocabulary of more than {b2} types; this one has {V}"
             )
