@@ -196,6 +196,7 @@ class AnalyzeOptions(NamedTuple):
     word_sim_spm: object = None  # the loaded --word-sim-spm model
     context_window: int = 0  # as fairseq-eval-lm --context-window
     tokens_per_sample: Optional[int] = None  # as fairseq-eval-lm --tokens-per-sample; None: the checkpoint's
+    split_targets: Optional[dict] = None  # {(data, split): target counts}: one count of --split for every checkpoint
 
 
 def checkpoint_report(path, label, state, opts: AnalyzeOptions):
@@ -234,8 +235,12 @@ def checkpoint_report(path, label, state, opts: AnalyzeOptions):
     iso = rep["matrices"][mat.name]["all"]["isotropy"]
     panel = (f"{label}: {mat.name}, I(W) = {'-' if iso is None else f'{iso:.3f}'}", fd["W"], fd["rows"],
              fd["spectrum"], fd["group_rows"])
-    with_window = "window.counts" in (state.get("criterion") or {})
-    targets = split_target_counts(opts.data, opts.split, main_dict) if with_window and opts.data and main_dict else None
+    targets = None
+    if "window.counts" in (state.get("criterion") or {}) and opts.data and main_dict is not None:
+        key = (opts.data, opts.split)
+        if key not in opts.split_targets:
+            opts.split_targets[key] = split_target_counts(opts.data, opts.split, main_dict)
+        targets = opts.split_targets[key]
     rep["agg"] = agg_window_report(state, main_dict, targets)
     rep["ppl"] = None
     if opts.data is not None and opts.ppl:
@@ -404,7 +409,7 @@ def analyze(paths, data=None, split="valid", out="analysis", labels=None, rows_p
             scoring_tokens_per_sample(state, path, context_window, tokens_per_sample)
     opts = AnalyzeOptions(data, split, rows_policy, fractions, preset, max_tokens, ppl, device,
                           word_sim=word_sim_sets, word_sim_spm=word_sim_model,
-                          context_window=context_window, tokens_per_sample=tokens_per_sample)
+                          context_window=context_window, tokens_per_sample=tokens_per_sample, split_targets={})
     reports, spectra, panels = [], [], []
     for i, (path, label, state) in enumerate(zip(paths, labels, states), 1):
         logger.info("analysing checkpoint %d/%d: %s%s", i, len(paths), label,
