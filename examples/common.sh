@@ -21,8 +21,9 @@ die() { echo "$_example_script: error: $*" >&2; exit 2; }
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$_example_path"; }
 
 # parse_flags TABLE "$@": reads "--flag VALUE" pairs into variables. TABLE lists flag=variable
-# pairs, e.g. "--out=out --vocab-size=vocab"; with "--" in TABLE, a "--" ends the flags and the
-# arguments after it go to the array extra; with "@" in TABLE, arguments that do not start with
+# pairs, e.g. "--out=out --vocab-size=vocab"; a variable written !name is a switch, a flag without a
+# value that sets name to 1 ("--dry-run=!dry_run"); with "--" in TABLE, a "--" ends the flags and
+# the arguments after it go to the array extra; with "@" in TABLE, arguments that do not start with
 # "-" go to the array positional, in order. -h/--help prints the help and exits 0; anything else
 # is an error naming it.
 parse_flags() {
@@ -43,7 +44,13 @@ parse_flags() {
       if [[ "$_pair" == *=* && "${_pair%%=*}" == "$1" ]]; then _var="${_pair#*=}"; fi
     done
     [[ -n "$_var" ]] || die "unknown argument '$1' (see --help$_hint)"
-    [[ $# -ge 2 ]] || die "$1 needs a value"
+    if [[ "$_var" == !* ]]; then
+      printf -v "${_var#!}" '%s' 1
+      shift
+      continue
+    fi
+    # a value that is itself a flag means the value was left out
+    [[ $# -ge 2 && "$2" != --* ]] || die "$1 needs a value"
     printf -v "$_var" '%s' "$2"
     shift 2
   done
@@ -51,17 +58,18 @@ parse_flags() {
 
 # need_int FLAG VALUE MIN: dies unless VALUE is an integer >= MIN.
 need_int() {
-  [[ "$2" =~ ^[0-9]+$ ]] && (( $2 >= $3 )) || die "$1 must be an integer >= $3, got '$2'"
+  [[ "$2" =~ ^[0-9]{1,15}$ ]] && (( 10#$2 >= $3 )) || die "$1 must be an integer >= $3, got '$2'"
 }
 
 # ---------------------------------------------------------------- the prepare.sh recipes
 
-# fetch URL DEST: downloads URL to DEST unless DEST is already there (textprep.py download: a
-# fairseq-agg User-Agent, retries, a .zip is verified; a clear error and no DEST on failure).
+# fetch URL DEST [LOCAL_FLAG]: downloads URL to DEST unless DEST is already there (textprep.py
+# download: a fairseq-agg User-Agent, retries, a .zip is verified; a clear error naming LOCAL_FLAG,
+# the flag for a local copy (--raw-dir), and no DEST on failure).
 fetch() {
   [[ -s "$2" ]] && return 0
   echo "[prepare] downloading $1"
-  "$py" "$textprep" download --url "$1" --output "$2"
+  "$py" "$textprep" download --url "$1" --output "$2" "--local-flag=${3:---raw-dir}"  # = : the value starts with --
 }
 
 # find_file DIR NAME EXPECTED: the first file called NAME below DIR; dies saying what was
@@ -98,46 +106,111 @@ flag_value() {
   echo "$value"
 }
 
-# batch_settings MAX_TOKENS PAPER_UPDATE_FREQ (after gpu_precision): the batch of the train.sh recipes. The papers'
-# tokens per update are 1 GPU x MAX_TOKENS x PAPER_UPDATE_FREQ; $gpus (--gpus, >= 1) GPUs keep
-# that product with an update frequency of PAPER_UPDATE_FREQ / $gpus unless $update_freq
-# (--update-freq) is set. Sets the array batch (fairseq-train flags) and prints, on stderr, the
-# tokens per update that the run will have, fairseq flags after -- ($extra) included.
-batch_settings() {
-  local max_tokens="$1" paper_freq="$2" freq world
+# is_dry_run: true with --dry-run (dry_run=1) or DRY_RUN=1 in the environment: the command is
+# printed, not run, and may be meant for another machine.
+is_dry_run() { [[ "${dry_run:-0}" == 1 || "${DRY_RUN:-0}" == 1 ]]; }
+
+# check_launch: validates the launch flags of the train.sh recipes and sets world (= $nodes x
+# $gpus, the data-parallel ranks) and launcher. Reads nodes (--nodes, >= 1), gpus (--gpus, GPUs
+# per node, >= 1), launcher (--launcher: fairseq, torchrun or slurm; empty = fairseq on one node,
+# torchrun on several), rdzv_endpoint (--rdzv-endpoint HOST:PORT, torchrun only; required on
+# several nodes, localhost:29500 on one) and distributed_port (--distributed-port, slurm only;
+# empty = 29500). A flag of another launcher is an error naming both.
+check_launch() {
+  need_int --nodes "$nodes" 1
   need_int --gpus "$gpus" 1
-  # DRY_RUN prints the command for another machine, whose GPUs are not the ones seen here
-  if [[ "${DRY_RUN:-0}" != 1 ]] && (( gpus > 1 && gpus > ${gpu_count:-0} )); then
-    die "--gpus $gpus: torch sees ${gpu_count:-0} GPUs here"
+  world=$(( nodes * gpus ))
+  [[ -n "$launcher" ]] || { if (( nodes == 1 )); then launcher=fairseq; else launcher=torchrun; fi; }
+  case "$launcher" in
+    fairseq) (( nodes == 1 )) || die "--launcher fairseq starts processes on this node only; --nodes $nodes needs \
+--launcher torchrun or slurm" ;;
+    torchrun|slurm) ;;
+    *) die "--launcher must be fairseq, torchrun or slurm, got '$launcher'" ;;
+  esac
+  if [[ "$launcher" == torchrun ]]; then
+    if [[ -z "$rdzv_endpoint" ]]; then
+      (( nodes == 1 )) || die "--launcher torchrun on --nodes $nodes needs --rdzv-endpoint HOST:PORT (a host every node \
+reaches, e.g. the first node)"
+      rdzv_endpoint=localhost:29500
+    fi
+    [[ "$rdzv_endpoint" =~ ^[^:[:space:]]+:([0-9]+)$ ]] && (( 10#${BASH_REMATCH[1]} >= 1 && 10#${BASH_REMATCH[1]} <= 65535 )) \
+      || die "--rdzv-endpoint must be HOST:PORT with a port in 1..65535, got '$rdzv_endpoint'"
+  elif [[ -n "$rdzv_endpoint" ]]; then
+    die "--rdzv-endpoint is for --launcher torchrun (the launcher is $launcher)"
   fi
+  if [[ "$launcher" == slurm ]]; then
+    distributed_port="${distributed_port:-29500}"
+    [[ "$distributed_port" =~ ^[0-9]+$ ]] && (( 10#$distributed_port >= 1 && 10#$distributed_port <= 65535 )) \
+      || die "--distributed-port must be an integer in 1..65535, got '$distributed_port'"
+  elif [[ -n "$distributed_port" ]]; then
+    die "--distributed-port is for --launcher slurm (the launcher is $launcher)"
+  fi
+  return 0
+}
+
+# gpu_precision (after check_launch and batch_settings, whose errors come first): sets gpu_count to
+# the number of GPUs torch sees here and the array precision to (--fp16) when there is one or when
+# the run is launched on GPUs elsewhere (several ranks, torchrun or slurm), else to (). A
+# single-node run on more GPUs than this node shows is only warned about: the command may be meant
+# for another machine.
+gpu_precision() {
+  precision=()
+  gpu_count="$("$py" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)"
+  if (( gpu_count > 0 || world > 1 )) || [[ "$launcher" != fairseq ]]; then precision=(--fp16); fi
+  if (( nodes == 1 && gpus > 1 && gpus > gpu_count )); then
+    echo "[train] warning: --gpus $gpus, but torch sees $gpu_count GPUs on this node" >&2
+  fi
+  return 0
+}
+
+# batch_settings MAX_TOKENS PAPER_UPDATE_FREQ UNIT (after check_launch): the batch of the train.sh
+# recipes. The papers' tokens per update are 1 GPU x MAX_TOKENS x PAPER_UPDATE_FREQ; $world ranks
+# keep that product: each rank's share, in micro-batches of at most MAX_TOKENS that are a multiple
+# of UNIT tokens, with as few micro-batches (--update-freq) as possible. World sizes that divide
+# PAPER_UPDATE_FREQ only lower --update-freq; larger ones also lower --max-tokens (16 GPUs on
+# 4096 x 8: 2048 x 1). A world whose share is not a whole number of UNITs is an error unless
+# --update-freq K ($update_freq) chooses the batch: then --max-tokens stays MAX_TOKENS. Sets the
+# array batch (fairseq-train flags; --distributed-port too under slurm) and prints, on stderr, the
+# tokens per update of the run, fairseq flags after -- ($extra) included.
+batch_settings() {
+  local max_tokens="$1" paper_freq="$2" unit="$3" freq micro units largest
+  local paper_tokens=$(( max_tokens * paper_freq ))
   if [[ -n "$update_freq" ]]; then
     need_int --update-freq "$update_freq" 1
-    freq="$update_freq"
+    freq="$update_freq"; micro="$max_tokens"
   else
-    (( paper_freq % gpus == 0 )) || die "--gpus $gpus does not divide the recipe's update frequency \
-$paper_freq; pass --update-freq K too (tokens per update = $gpus x $max_tokens x K)"
-    freq=$(( paper_freq / gpus ))
+    (( paper_tokens % (world * unit) == 0 )) || die "--nodes $nodes x --gpus $gpus = $world GPUs cannot share the \
+paper's $paper_tokens tokens per update in micro-batches of whole $unit-token units; pass --update-freq K \
+(tokens per update = $world x $max_tokens x K)"
+    units=$(( paper_tokens / (world * unit) ))  # each rank's share of an update, in units
+    largest=$(( max_tokens / unit ))
+    (( largest <= units )) || largest="$units"
+    while (( units % largest != 0 )); do largest=$(( largest - 1 )); done
+    micro=$(( largest * unit )); freq=$(( units / largest ))
   fi
-  batch=(--max-tokens "$max_tokens" --update-freq "$freq" --distributed-world-size "$gpus")
-  max_tokens="$(flag_value --max-tokens "$max_tokens" "${extra[@]}")"
+  batch=(--max-tokens "$micro" --update-freq "$freq" --distributed-world-size "$world")
+  # under srun fairseq meets on the first node of SLURM's node list at this port
+  [[ "$launcher" != slurm ]] || batch+=(--distributed-port "$distributed_port")
+  micro="$(flag_value --max-tokens "$micro" "${extra[@]}")"
   freq="$(flag_value --update-freq "$freq" "${extra[@]}")"
-  world="$(flag_value --distributed-world-size "$gpus" "${extra[@]}")"
-  local product="$world x $max_tokens x $freq"
-  if [[ "$world$max_tokens$freq" =~ ^[0-9]+$ ]]; then product+=" = $(( world * max_tokens * freq ))"; fi
+  local ranks product
+  ranks="$(flag_value --distributed-world-size "$world" "${extra[@]}")"
+  product="$ranks x $micro x $freq"
+  if [[ "$ranks$micro$freq" =~ ^[0-9]+$ ]]; then product+=" = $(( ranks * micro * freq ))"; fi
   echo "[train] tokens per update = GPUs x --max-tokens x --update-freq = $product (the paper:" \
-    "1 x $1 x $paper_freq = $(( $1 * paper_freq ))); AGG's rare-token threshold does not depend" \
+    "1 x $max_tokens x $paper_freq = $paper_tokens); AGG's rare-token threshold does not depend" \
     "on it (--agg-threshold-mode auto, docs/agg.md)" >&2
 }
 
 # train_settings DEFAULT_DATA DEFAULT_SAVE DICT PREPARE: sets data ($DATA_BIN), save_dir
-# ($SAVE_DIR) and stats ($EMBED_STATS_INTERVAL, default 0); unless DRY_RUN=1, the data must hold
+# ($SAVE_DIR) and stats ($EMBED_STATS_INTERVAL, default 0); unless is_dry_run, the data must hold
 # DICT, which the recipe's PREPARE script writes.
 train_settings() {
   data="${DATA_BIN:-$1}"
   save_dir="${SAVE_DIR:-$2}"
   stats="${EMBED_STATS_INTERVAL:-0}"
   [[ "$stats" =~ ^[0-9]+$ ]] || die "EMBED_STATS_INTERVAL must be an integer >= 0, got '$stats'"
-  if [[ "${DRY_RUN:-0}" != 1 && ! -f "$data/$3" ]]; then
+  if ! is_dry_run && [[ ! -f "$data/$3" ]]; then
     die "DATA_BIN=$data has no $3: run $4 first"
   fi
 }
@@ -159,20 +232,32 @@ method_criterion() {
   if (( stats > 0 )); then crit+=(--embed-stats-interval "$stats"); fi
 }
 
-# gpu_precision: sets gpu_count to the number of GPUs torch sees and the array precision to
-# (--fp16) when there is one, else to ().
-gpu_precision() {
-  precision=()
-  gpu_count="$("$py" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)"
-  if (( gpu_count > 0 )); then precision=(--fp16); fi
-}
-
-# run_train CMD...: with DRY_RUN=1 prints the command; otherwise creates $save_dir and runs it.
+# run_train CMD...: the fairseq-train command CMD, started by $launcher: as it is (fairseq spawns
+# one process per GPU of this node), under torchrun (the same command on every node; fairseq
+# reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT and initialises env://) or under srun (one
+# task per GPU; fairseq reads SLURM_STEP_NODELIST, SLURM_PROCID and SLURM_LOCALID and meets on the
+# first node at --distributed-port). When is_dry_run, prints the command (for slurm: an sbatch
+# script) and exits; otherwise creates $save_dir and runs it.
 run_train() {
-  if [[ "${DRY_RUN:-0}" == 1 ]]; then
-    printf '%q ' "$@"; echo
+  local cmd=("$@") torchrun="$bindir/torchrun"
+  [[ -x "$torchrun" ]] || torchrun=torchrun
+  case "$launcher" in
+    torchrun)
+      cmd=("$torchrun" --nnodes "$nodes" --nproc-per-node "$gpus" --rdzv-backend c10d
+           --rdzv-endpoint "$rdzv_endpoint" "${cmd[@]}") ;;
+    slurm)
+      cmd=(srun --nodes "$nodes" --ntasks-per-node "$gpus" --gres "gpu:$gpus" "${cmd[@]}") ;;
+  esac
+  if is_dry_run; then
+    if [[ "$launcher" == slurm ]]; then
+      printf '#!/bin/bash\n#SBATCH --nodes=%s\n#SBATCH --ntasks-per-node=%s\n#SBATCH --gres=gpu:%s\n' \
+        "$nodes" "$gpus" "$gpus"
+      printf 'mkdir -p %q\n' "$save_dir"
+    fi
+    (( nodes == 1 )) || [[ "$launcher" != torchrun ]] || echo "[train] run this command on each of the $nodes nodes" >&2
+    printf '%q ' "${cmd[@]}"; echo
     exit 0
   fi
   mkdir -p "$save_dir"
-  exec "$@"
+  exec "${cmd[@]}"
 }

@@ -12,6 +12,8 @@ Commands:
   spm-decode      decode space-separated pieces back to text
   clean-corpus    drop parallel pairs by length and length ratio (clean-corpus-n semantics)
   wikitext-detok  undo WikiText's ``@-@`` style token escapes (for subword models)
+  gpt2-encode     GPT-2 byte-level BPE ids of each line, with fairseq's GPT-2 encoder
+  gpt2-check      check that encoder.json and vocab.bpe are GPT-2's files and fairseq can read them
   hyp-from-generate  extract H- or T- lines of fairseq-generate output in input order
   compound-split  Moses-tokenise and split compounds (##AT##) for the papers' tokenized BLEU
   download        fetch a URL with a non-default User-Agent, verifying .zip files
@@ -162,6 +164,83 @@ def wikitext_detok(inp, out):
             fout.write(wikitext_detok_line(line.rstrip("\n")) + "\n")
 
 
+# ---------------------------------------------------------------------------- GPT-2 BPE
+
+# The encoder of one gpt2-encode worker process (set by _start_gpt2_worker).
+_gpt2_worker_encoder = None
+
+
+def gpt2_encoder(encoder_json, vocab_bpe):
+    """fairseq's GPT-2 byte-level BPE encoder (``fairseq.data.encoders.gpt2_bpe_utils``) for the
+    two files fairseq publishes at https://dl.fbaipublicfiles.com/fairseq/gpt2_bpe/; files that are
+    not in their formats are one error line, not a traceback in a worker."""
+    import json
+
+    for flag, path in (("--encoder-json", encoder_json), ("--vocab-bpe", vocab_bpe)):
+        if not os.path.isfile(path):
+            _die(f"{flag}: no such file: {path}")
+    try:
+        with open(encoder_json, encoding="utf-8") as f:
+            table = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        _die(f"--encoder-json {encoder_json} is not GPT-2's encoder.json (not JSON: {e})")
+    if not isinstance(table, dict) or not all(isinstance(v, int) for v in table.values()):
+        _die(f"--encoder-json {encoder_json} is not GPT-2's encoder.json (expected a JSON object of token: id)")
+    with open(vocab_bpe, encoding="utf-8", errors="replace") as f:
+        first = f.readline()
+    if not first.startswith("#version"):
+        _die(f"--vocab-bpe {vocab_bpe} is not GPT-2's vocab.bpe (its first line is not '#version: ...')")
+    try:
+        from fairseq.data.encoders.gpt2_bpe_utils import get_encoder
+    except ImportError as e:
+        _die(f"gpt2-encode needs fairseq's GPT-2 encoder ({e}); run it with the Python that has fairseq")
+    return get_encoder(encoder_json, vocab_bpe)
+
+
+def gpt2_encode_line(encoder, line):
+    """The ids of one line, space-separated, as the AGG paper's data has them: the line stripped of
+    surrounding whitespace (its newline included), an empty line kept empty (fairseq-preprocess
+    gives it just an end-of-sentence)."""
+    text = line.strip()
+    return " ".join(str(i) for i in encoder.encode(text)) if text else ""
+
+
+def _start_gpt2_worker(encoder_json, vocab_bpe):
+    global _gpt2_worker_encoder
+    _gpt2_worker_encoder = gpt2_encoder(encoder_json, vocab_bpe)
+
+
+def _gpt2_worker_encode(line):
+    return gpt2_encode_line(_gpt2_worker_encoder, line)
+
+
+def gpt2_encode(encoder_json, vocab_bpe, inputs, outputs, workers=1):
+    """Encodes every line of each of ``inputs`` into the file at the same place in ``outputs``,
+    keeping the line order; ``workers`` > 1 encodes in that many processes."""
+    if len(inputs) != len(outputs):
+        _die("gpt2-encode needs as many --outputs as --inputs")
+    if workers < 1:
+        _die(f"--workers must be >= 1, got {workers}")
+    encoder = gpt2_encoder(encoder_json, vocab_bpe)  # checks the files once, here
+    pool = None
+    if workers > 1:
+        import multiprocessing
+
+        pool = multiprocessing.Pool(workers, initializer=_start_gpt2_worker, initargs=(encoder_json, vocab_bpe))
+    try:
+        for src, dst in zip(inputs, outputs):
+            with _open(src) as fin, _open(dst, "w") as fout:
+                # imap keeps the input order; chunks amortise the inter-process traffic
+                lines = pool.imap(_gpt2_worker_encode, fin, chunksize=1000) if pool else \
+                    (gpt2_encode_line(encoder, line) for line in fin)
+                for encoded in lines:
+                    fout.write(encoded + "\n")
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+
+
 # ---------------------------------------------------------------------------- generate output
 
 
@@ -243,11 +322,12 @@ def _user_agent():
         return "fairseq-agg"
 
 
-def download(url, output, user_agent=None, attempts=3, timeout=60):
+def download(url, output, user_agent=None, attempts=3, timeout=60, local_flag="--raw-dir"):
     """Downloads ``url`` to ``output`` through ``output.part``; a ``.zip`` must be a valid zip.
 
     Connection failures and truncated transfers are retried ``attempts`` times; an HTTP error
-    status is not (the server answered). Nothing is left at ``output`` unless it is complete.
+    status is not (the server answered). Nothing is left at ``output`` unless it is complete. A
+    failure names ``local_flag``, the recipe's flag for a local copy.
     """
     import time
     import urllib.error
@@ -256,7 +336,7 @@ def download(url, output, user_agent=None, attempts=3, timeout=60):
 
     part = output + ".part"
     request = urllib.request.Request(url, headers={"User-Agent": user_agent or _user_agent()})
-    hint = "(or download the file yourself and pass its directory as the recipe's --raw-dir)"
+    hint = f"(or download the file yourself and pass its directory as the recipe's {local_flag})"
     for attempt in range(1, attempts + 1):
         try:
             with urllib.request.urlopen(request, timeout=timeout) as resp, open(part, "wb") as f:
@@ -340,6 +420,17 @@ def main(argv=None):
     w.add_argument("--input", default="-")
     w.add_argument("--output", default="-")
 
+    k = sub.add_parser("gpt2-check")
+    k.add_argument("--encoder-json", required=True)
+    k.add_argument("--vocab-bpe", required=True)
+
+    b = sub.add_parser("gpt2-encode")
+    b.add_argument("--encoder-json", required=True, help="GPT-2's encoder.json (token -> id)")
+    b.add_argument("--vocab-bpe", required=True, help="GPT-2's vocab.bpe (the merges, in order)")
+    b.add_argument("--inputs", nargs="+", required=True)
+    b.add_argument("--outputs", nargs="+", required=True)
+    b.add_argument("--workers", type=int, default=1)
+
     g = sub.add_parser("hyp-from-generate")
     g.add_argument("--input", required=True)
     g.add_argument("--output", default="-")
@@ -354,6 +445,7 @@ def main(argv=None):
     f.add_argument("--url", required=True)
     f.add_argument("--output", required=True)
     f.add_argument("--user-agent", default=None, help="default: fairseq-agg/VERSION")
+    f.add_argument("--local-flag", default="--raw-dir", help="the recipe's flag for a local copy, named on failure")
 
     a = p.parse_args(argv)
     if a.cmd == "spm-train":
@@ -372,6 +464,10 @@ def main(argv=None):
         print(f"clean-corpus: kept {kept} of {total} pairs", file=sys.stderr)
     elif a.cmd == "wikitext-detok":
         wikitext_detok(a.input, a.output)
+    elif a.cmd == "gpt2-check":
+        gpt2_encoder(a.encoder_json, a.vocab_bpe)
+    elif a.cmd == "gpt2-encode":
+        gpt2_encode(a.encoder_json, a.vocab_bpe, a.inputs, a.outputs, a.workers)
     elif a.cmd == "hyp-from-generate":
         with _open(a.output, "w") as f:
             for line in read_generate(a.input, a.prefix):
@@ -379,7 +475,7 @@ def main(argv=None):
     elif a.cmd == "compound-split":
         compound_split(a.input, a.output, a.lang)
     elif a.cmd == "download":
-        download(a.url, a.output, a.user_agent)
+        download(a.url, a.output, a.user_agent, local_flag=a.local_flag)
     return 0
 
 

@@ -66,13 +66,20 @@ def require_fairseq():
 
 def _register_with_fairseq():
     """Fills fairseq's registries (criteria, models, architectures, optimizers) and reports the
-    plugin's refusals in one line; first refuses a fairseq built for numpy 1.x under numpy 2."""
+    plugin's refusals in one line; first refuses a fairseq built for numpy 1.x under numpy 2.
+    Makes fairseq's checkpoint copies atomic and a damaged checkpoint one line
+    (:mod:`fairseq_agg.fairseq_facts.checkpoint_files`)."""
     from .errors import report_usage_errors_in_one_line
+    from .fairseq_facts.checkpoint_files import check_checkpoints_on_load, make_checkpoint_copies_atomic
     from .fairseq_facts.checkpoint_state import allow_namespace_in_checkpoints
+    from .fairseq_facts.flag_choices import report_invalid_choices_in_one_line
     from .fairseq_facts.numpy_check import check_fairseq_extensions_match_numpy
 
     check_fairseq_extensions_match_numpy()
     allow_namespace_in_checkpoints()
+    make_checkpoint_copies_atomic()
+    check_checkpoints_on_load()
+    report_invalid_choices_in_one_line()
     report_usage_errors_in_one_line()
     for name in ("criterions", "models", "optim"):
         if importlib.util.find_spec(f"{__name__}.{name}") is not None:

@@ -93,22 +93,40 @@ def check_choice(name, value, choices):
     return value
 
 
+def usage_error_behind(exc):
+    """``exc`` if it is a :class:`UsageError`, else the UsageError it was raised while handling.
+
+    fairseq re-raises whatever fails while it loads a checkpoint's model and criterion state as a
+    plain ``Exception("Cannot load model parameters from checkpoint ...")``; the plugin's reason
+    (a damaged AGG state, a vocabulary that does not match) is that exception's ``__context__``.
+    """
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, UsageError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def report_usage_errors_in_one_line(prog=None):
     """Makes an uncaught :class:`UsageError` print ``PROG: error: MESSAGE`` and exit with status 2.
 
     For processes whose ``main`` the plugin does not own (``fairseq-train``, ``fairseq-generate``,
-    ``fairseq-eval-lm``): their user-dir import runs before the plugin's checks can fail. Every
-    other exception goes to the previous hook unchanged. Idempotent.
+    ``fairseq-eval-lm``): their user-dir import runs before the plugin's checks can fail. So does
+    an exception raised while handling one (:func:`usage_error_behind`). Every other exception
+    goes to the previous hook unchanged. Idempotent.
     """
     previous = sys.excepthook
     if getattr(previous, "_reports_usage_errors", False):
         return
 
     def hook(exc_type, exc, tb):
-        if isinstance(exc, UsageError):
+        usage_error = usage_error_behind(exc)
+        if usage_error is not None:
             name = prog or os.path.basename(sys.argv[0] or "fairseq") or "fairseq"
             sys.stdout.flush()
-            print(f"{name}: error: {exc}", file=sys.stderr)
+            print(f"{name}: error: {usage_error}", file=sys.stderr)
             sys.exit(2)
         previous(exc_type, exc, tb)
 

@@ -56,7 +56,8 @@ REFERENCE_INTRO = f"""# Flags
 
 Every flag the plugin adds to `fairseq-train` (and to the other fairseq commands that parse the same
 options) once it is loaded with `--user-dir "$(fairseq-agg)"` and the component is selected, with
-the default fairseq uses and its help text; switches read `on` / `off`. A flag that several
+the default fairseq uses and its help text; switches read `on` / `off`, and a flag whose default is
+*unset* takes the value its meaning names (derived from other flags or from the model). A flag that several
 components share is listed once, with their names. `fairseq-agg flags NAME` prints one component's
 flags in a terminal.
 """
@@ -231,12 +232,25 @@ def reference_sections():
 # Markdown and plain text
 
 
+# what the reference shows for a default of None: fairseq then derives the value (the help says how)
+UNSET = "unset"
+
+
+def _shown(value) -> str:
+    return UNSET if value is None else str(value)
+
+
 def _by_value(values: Dict[str, object]):
     """[(value as text, [the components with it])], in order of first appearance."""
     grouped = OrderedDict()
     for name, value in values.items():
-        grouped.setdefault(str(value), []).append(name)
+        grouped.setdefault(_shown(value), []).append(name)
     return list(grouped.items())
+
+
+def _default_markdown(text: str) -> str:
+    """A default in a Markdown cell: a value in backticks, an unset one in italics."""
+    return f"*{text}*" if text == UNSET else f"`{text}`"
 
 
 def anchor(title: str) -> str:
@@ -254,8 +268,8 @@ def section_markdown(section: Section) -> str:
         for entry in section.flags:
             defaults = _by_value(entry.defaults)
             helps = _by_value(entry.helps)
-            default = f"`{defaults[0][0]}`" if len(defaults) == 1 else \
-                "; ".join(f"`{value}` ({_names(users)})" for value, users in defaults)
+            default = _default_markdown(defaults[0][0]) if len(defaults) == 1 else \
+                "; ".join(f"{_default_markdown(value)} ({_names(users)})" for value, users in defaults)
             meaning = helps[0][0] if len(helps) == 1 else \
                 "<br>".join(f"{_names(users)}: {text}" for text, users in helps)
             lines.append(f"| `{entry.flag}` | {default} | {meaning.replace('|', chr(92) + '|')} |")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or reuses) the virtual environment .venv/ at the repository root and installs
-# torch, fairseq (fairseq-fixed, built against that torch) and this package into it.
+# torch, fairseq (fairseq-fixed, built against that torch) and this package with its examples
+# extra (what the demos, the recipes and the study import) into it.
 # Idempotent: a second run only checks that everything imports.
 # Usage: scripts/setup_env.sh [--test]   (--test also installs the test extra)
 # Environment: PYTHON (the interpreter of a new venv, default python3), FAIRSEQ_AGG_TORCH_VERSION
@@ -9,8 +10,8 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
 py="${PYTHON:-python3}"
-extra=""
-[[ "${1:-}" == "--test" ]] && extra="[test]"
+extra="[examples]"
+[[ "${1:-}" == "--test" ]] && extra="[examples,test]"
 
 if [[ ! -x "$venv/bin/python" ]]; then
   echo "[setup] creating virtual environment at $venv"

@@ -6,10 +6,11 @@ a ``*`` marks a method whose difference to the baseline exceeds the spread
 (:func:`study.metrics.compare_to_baseline`). What a part's report holds is said by its
 :class:`study.parts.Part` (its columns, figures and sections), never by its name.
 """
+import math
 import os
 import time
 
-from examples.demo_common import fmt, markdown_table, mean_spread, save_study_figure, seed_band, write_json
+from examples.demo_common import fmt, markdown_table, mean_spread, save_study_figure, seed_band, train_curve, write_json
 from examples.lm_demo.wordsim import DATASETS
 from fairseq_agg.analysis.plots import pyplot
 from study.metrics import compare_to_baseline, convergence, count_spikes, group_shares
@@ -178,14 +179,93 @@ def summarise(part, names, by_name, cols, groups):
 # ---------------------------------------------------------------------------- figures
 
 
+def train_cross_entropy(res, runs_dir):
+    """[(update, plain cross-entropy in bits per token)] of one run's train_inner lines.
+
+    The plugin's criteria log ``loss`` as what they optimise (FACE's weighted loss, the CE plus the
+    augmented or unlikelihood term) and the plain cross-entropy as ``nll_loss``; a stock criterion
+    that logs no ``nll_loss`` logs the cross-entropy as ``loss``. A result.json written before the
+    study kept the ``nll_loss`` curve has it read from the run's train.log in ``runs_dir``; [] when
+    that is gone too (the run is then left out of the panel, not drawn on the wrong quantity)."""
+    curves = res["curves"]
+    if curves.get("train_nll"):
+        return curves["train_nll"]
+    if "nll_loss" not in (res.get("last_train") or {}):
+        return curves.get("train_loss") or []
+    log = os.path.join(runs_dir, res["run_id"], "train.log")
+    if not os.path.isfile(log):
+        return []
+    with open(log, encoding="utf-8") as f:
+        return train_curve(f.read().splitlines(), "nll_loss")
+
+
+def valid_cross_entropy(res):
+    """[(update, validation cross-entropy in bits per token)], from fairseq's logged validation
+    perplexity (2 ** nll_loss for every criterion, label smoothing and the plugin's terms left out)."""
+    return [(u, math.log2(ppl)) for u, ppl in res["curves"].get("valid_ppl") or []]
+
+
+def over_seeds(seed_counts, several):
+    """What a figure's values are: ``several`` (e.g. "mean over seeds; band: min-max") where runs
+    have several seeds, "one seed" where every run has one."""
+    counts = [c for c in seed_counts if c]
+    if not counts or max(counts) == 1:
+        return "one seed"
+    if min(counts) == 1:
+        return f"{several}; a run of one seed shows that seed"
+    return several
+
+
+def label_points(ax, points):
+    """Writes each (x, y, text, colour) of ``points`` beside its point, in the colour of its
+    series and joined to it by a thin line: the label goes outwards from the middle of the points,
+    at the nearest place where it covers no label written before and no point (greedy, in display
+    space), so that labels of points close together do not lie on each other. Call once the axes
+    are final."""
+    from matplotlib.transforms import Bbox
+
+    fig = ax.figure
+    fig.tight_layout()  # the layout the figure is saved with, so that display positions hold
+    renderer = fig.canvas.get_renderer()
+    marks = [ax.transData.transform((x, y)) for x, y, _, _ in points]
+    middle = sum(marks) / len(marks) if marks else None
+    dot = 4 * fig.dpi / 72  # half a marker, in pixels
+    taken = [Bbox.from_extents(mx - dot, my - dot, mx + dot, my + dot) for mx, my in marks]
+    for (x, y, text, colour), mark in zip(points, marks):
+        out = math.atan2(*(mark - middle)[::-1]) if len(marks) > 1 else math.pi / 4
+        # 12 directions at 5 distances (points), the nearest and most outward first
+        tries = sorted(((r, abs(math.remainder(k * math.pi / 6 - out, 2 * math.pi))), k * math.pi / 6)
+                       for r in (8, 18, 30, 44, 60) for k in range(12))
+        best = None  # (clashes, offset, box): the first place with the fewest clashes
+        for (r, _), angle in tries:
+            dx, dy = r * math.cos(angle), r * math.sin(angle)
+            align = {"ha": "left" if dx > 1 else "right" if dx < -1 else "center",
+                     "va": "bottom" if dy > 1 else "top" if dy < -1 else "center"}
+            trial = ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy), fontsize="x-small", **align)
+            box = trial.get_window_extent(renderer)
+            trial.remove()
+            clashes = sum(box.overlaps(b) for b in taken)
+            if best is None or clashes < best[0]:
+                best = (clashes, (dx, dy, align), box)
+            if clashes == 0:
+                break
+        dx, dy, align = best[1]
+        label = ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy), fontsize="x-small",
+                            color=colour, arrowprops={"arrowstyle": "-", "color": colour, "lw": 0.5, "shrinkA": 0,
+                                                      "shrinkB": 3}, **align)
+        label.set_in_layout(False)  # or the layout at saving would move the points under the labels
+        taken.append(best[2])
+
+
 def figure_curves(by_name, names, path, panels):
-    """Learning curves: per run name the mean over seeds and a min-max band."""
+    """Learning curves, one panel per (getter of a run's curve, y label, log scale): per run name
+    the mean over seeds and a min-max band."""
     plt = pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5))
     axes = [axes] if len(panels) == 1 else list(axes)
-    for ax, (key, ylabel, log) in zip(axes, panels):
+    for ax, (get, ylabel, log) in zip(axes, panels):
         for i, name in enumerate(names):
-            curves = [r["curves"][key] for r in by_name[name] if r["curves"].get(key)]
+            curves = [c for c in (get(r) for r in by_name[name]) if c]
             if not curves:
                 continue
             u, mean, lo, hi = seed_band(curves)
@@ -200,7 +280,7 @@ def figure_curves(by_name, names, path, panels):
     handles, labels = axes[0].get_legend_handles_labels()
     if handles:
         fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
-    fig.suptitle("learning curves (mean over seeds; band: min-max)")
+    fig.suptitle(f"learning curves ({over_seeds([len(by_name[n]) for n in names], 'mean over seeds; band: min-max')})")
     return save_study_figure(fig, path)
 
 
@@ -215,7 +295,8 @@ def figure_group_ppl(summary, names, path):
     ax.set_yscale("log")
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
     ax.set_ylabel("test perplexity (log scale)")
-    ax.set_title("test perplexity per frequency group (mean ± half range over seeds)")
+    ax.set_title("test perplexity per frequency group "
+                 f"({over_seeds([len(summary[n]['seeds']) for n in names], 'mean ± half range over seeds')})")
     ax.legend(title="group", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return save_study_figure(fig, path)
 
@@ -225,19 +306,21 @@ def figure_frontier(summary, names, groups, path):
     baseline, freezing and CosReg as single points."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
-    for ax, key, label in ((axes[0], "isotropy", "I(W), sign-symmetric (headline)"),
-                           (axes[1], "isotropy_raw", "I(W), AGG paper's form (eigenvector signs by a fixed rule)")):
+    labels = {0: [], 1: []}  # per panel: (x, y, text, colour) of the sweep's points, written once the axes are final
+    for k, (ax, key, label) in enumerate(((axes[0], "isotropy", "I(W), sign-symmetric (headline)"),
+                                          (axes[1], "isotropy_raw",
+                                           "I(W), AGG paper's form (eigenvector signs by a fixed rule)"))):
         for g1, marker in (("code", "o"), ("normalized", "s")):
             sweep = sorted((groups[n]["alpha"], n) for n in names if groups[n].get("g1") == g1)
             if not sweep:
                 continue
             xs = [summary[n][key] for _, n in sweep]
             ys = [summary[n]["test_ppl"] for _, n in sweep]
-            ax.errorbar([x["mean"] for x in xs], [y["mean"] for y in ys], xerr=[x["spread"] or 0 for x in xs],
-                        yerr=[y["spread"] or 0 for y in ys], marker=marker, capsize=3, label=f"AGG, g1 {g1}")
-            for (alpha, _), x, y in zip(sweep, xs, ys):
-                ax.annotate(f"α={alpha:g}", (x["mean"], y["mean"]), textcoords="offset points", xytext=(4, 4),
-                            fontsize="x-small")
+            bars = ax.errorbar([x["mean"] for x in xs], [y["mean"] for y in ys], xerr=[x["spread"] or 0 for x in xs],
+                               yerr=[y["spread"] or 0 for y in ys], marker=marker, capsize=3, label=f"AGG, g1 {g1}")
+            colour = bars.lines[0].get_color()
+            labels[k] += [(x["mean"], y["mean"], f"α={alpha:g}", colour) for (alpha, _), x, y in zip(sweep, xs, ys)
+                          if x["mean"] is not None and y["mean"] is not None]
         for n, marker in (("baseline", "*"), ("freeze", "D"), ("cosreg", "^")):
             if n in names:
                 x, y = summary[n][key], summary[n]["test_ppl"]
@@ -247,15 +330,23 @@ def figure_frontier(summary, names, groups, path):
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("test perplexity")
     axes[1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.suptitle("perplexity vs isotropy of the output embedding (mean ± half range over seeds)")
+    fig.suptitle("perplexity vs isotropy of the output embedding "
+                 f"({over_seeds([len(summary[n]['seeds']) for n in names], 'mean ± half range over seeds')})")
+    for k, ax in enumerate(axes):
+        label_points(ax, labels[k])
     return save_study_figure(fig, path)
 
 
-def figure_depth(summary, names, groups, path):
-    """µTEV, σTEV, test PPL and gradient-norm spikes against the depth, one line per variant."""
+def figure_depth(summary, names, groups, path, spikes=None):
+    """µTEV, σTEV, test PPL and the largest gradient norm against the depth, one line per variant;
+    a panel of gradient-norm spike counts only where some run had one (``spikes``: the settings,
+    named in the title)."""
     plt = pyplot()
-    panels = (("tev_mu", "µTEV"), ("tev_sigma", "σTEV"), ("test_ppl", "test perplexity"),
-              ("gnorm_spikes", "gradient-norm spikes (count)"))
+    panels = [("tev_mu", "µTEV"), ("tev_sigma", "σTEV"), ("test_ppl", "test perplexity"),
+              ("max_gnorm", "largest gradient norm")]
+    counted = sum((summary[n].get(key) or {}).get("mean") or 0 for n in names for key in ("gnorm_spikes", "loss_spikes"))
+    if counted:
+        panels.append(("gnorm_spikes", "gradient-norm spikes (count)"))
     fig, axes = plt.subplots(1, len(panels), figsize=(5.0 * len(panels), 4.2))
     variants = []
     for n in names:
@@ -271,7 +362,13 @@ def figure_depth(summary, names, groups, path):
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
     axes[-1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.suptitle("by depth (mean ± half range over seeds)")
+    title = f"by depth ({over_seeds([len(summary[n]['seeds']) for n in names], 'mean ± half range over seeds')})"
+    if not counted:
+        rule = "" if spikes is None else (f" (a gradient norm above {spikes['gnorm_factor']:g} ×, or a loss above "
+                                          f"{spikes['loss_factor']:g} ×, the median of the previous "
+                                          f"{spikes['window']} train_inner values)")
+        title += f"; no spike in any run{rule}"
+    fig.suptitle(title)
     return save_study_figure(fig, path)
 
 
@@ -367,10 +464,14 @@ def make_report(part, a, budget, specs, results, out_dir, spikes, invocations, p
     lines.append(f"Wall time: {run_seconds / 60:.1f} min of runs (sum over runs, training and evaluation); "
                  f"the invocations that trained them: {trained or 'none recorded'}.")
     if not part.section:  # a part's own section draws its own learning curves
-        lm = part.corpus.language_model  # a language model's valid PPL, log scale; else the valid loss
+        runs_dir = os.path.dirname(out_dir)
+        # the same quantity for every criterion: the plain cross-entropy (a language model's
+        # validation as its PPL, log scale), never a criterion's own optimised loss
+        valid = ((lambda r: r["curves"].get("valid_ppl") or [], "valid PPL (plain cross-entropy)", True)
+                 if part.corpus.language_model else
+                 (valid_cross_entropy, "valid cross-entropy (nll_loss, bits/token; no label smoothing)", False))
         figures["curves"] = figure_curves(by_name, names, os.path.join(out_dir, "learning_curves.png"), [
-            ("train_loss", "train loss (bits/token)", False),
-            ("valid_ppl" if lm else "valid_loss", "valid PPL" if lm else "valid loss (bits/token)", lm)])
+            (lambda r: train_cross_entropy(r, runs_dir), "train cross-entropy (nll_loss, bits/token)", False), valid])
     if part.group_ppl:
         figures["group_ppl"] = figure_group_ppl(summary, names, os.path.join(out_dir, "group_ppl.png"))
     if part.projections:
@@ -380,7 +481,7 @@ def make_report(part, a, budget, specs, results, out_dir, spikes, invocations, p
     if part.frontier:
         figures["frontier"] = figure_frontier(summary, names, groups, os.path.join(out_dir, "frontier.png"))
     if part.by_depth:
-        figures["depth"] = figure_depth(summary, names, groups, os.path.join(out_dir, "depth.png"))
+        figures["depth"] = figure_depth(summary, names, groups, os.path.join(out_dir, "depth.png"), spikes)
     lines += ["", "Figures: " + ", ".join(os.path.basename(f) for f in figures.values())]
     with open(os.path.join(out_dir, "table.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")

@@ -269,8 +269,11 @@ def execute(ctx, part, budget, spec, directory, cmd, key):
         "part": part.name, "run_id": spec.run_id, "name": spec.name, "seed": spec.seed, "group": spec.group,
         "updates": budget["updates"], "train_wall_seconds": wall, "train_seconds": done_seconds(lines) or wall,
         "rare_tokens": float(stats["agg_rare"]) if "agg_rare" in stats else None, "last_train": stats,
-        "curves": {"train_loss": train_curve(lines, "loss"), "gnorm": train_curve(lines, "gnorm"),
-                   "valid_ppl": valid_curve(lines, "ppl"), "valid_loss": valid_curve(lines, "loss")},
+        # train_loss is what the criterion optimises (its spikes); train_nll the plain cross-entropy
+        # the figures compare ([] where a stock criterion logs no nll_loss: its loss is that)
+        "curves": {"train_loss": train_curve(lines, "loss"), "train_nll": train_curve(lines, "nll_loss"),
+                   "gnorm": train_curve(lines, "gnorm"), "valid_ppl": valid_curve(lines, "ppl"),
+                   "valid_loss": valid_curve(lines, "loss")},
     }
     result["metrics"] = part.evaluate(ctx, spec, budget, directory, ckpt, lines)
     if part.corpus.language_model:

@@ -19,6 +19,8 @@ from examples.demo_common import markdown_table, save_study_figure, seed_band
 from examples.lm_demo.wordsim import DATASETS
 from fairseq_agg.analysis.plots import pyplot
 from study.metrics import compare_to_baseline, convergence, resolvable_difference, spearman_interval
+from study.report import over_seeds, train_cross_entropy
+from study.tail import GROUPINGS, PAPER_TYPES
 
 GROUPS = ("freq", "med", "rare")
 # Okabe & Ito (2008), "Color Universal Design": black for the baseline, the pale yellow last
@@ -269,22 +271,25 @@ def run_style(names):
     return style
 
 
-def figure_curves(by_name, names, path):
-    """Train loss and valid PPL (rows) for each group of methods (columns): the mean over seeds
-    with a min-max band."""
+def figure_curves(by_name, names, path, runs_dir):
+    """Train cross-entropy and valid PPL (rows) for each group of methods (columns): the mean over
+    seeds with a min-max band. The train row is the plain cross-entropy of every run
+    (:func:`study.report.train_cross_entropy`, read from the runs in ``runs_dir`` where result.json
+    predates it), never a criterion's own optimised loss (FACE's weighted one, CE + a term)."""
     plt = pyplot()
     panels = [(title, [n for n in members if n in names]) for title, members in PANELS]
     panels += [("other runs", [n for n in names if not any(n in members for _, members in PANELS)])]
     panels = [(t, members) for t, members in panels if members]
-    rows = (("train_loss", "train loss (bits/token)", False), ("valid_ppl", "valid PPL (log scale)", True))
+    rows = ((lambda r: train_cross_entropy(r, runs_dir), "train cross-entropy (nll_loss, bits/token)", False),
+            (lambda r: r["curves"].get("valid_ppl") or [], "valid PPL (log scale)", True))
     fig, axes = plt.subplots(len(rows), len(panels), figsize=(6.5 * len(panels), 8.0), squeeze=False,
                              sharex=True, sharey="row")
     for col, (title, members) in enumerate(panels):
         style = run_style(members)
-        for row, (key, ylabel, log) in enumerate(rows):
+        for row, (get, ylabel, log) in enumerate(rows):
             ax = axes[row][col]
             for n in members:
-                curves = [r["curves"][key] for r in by_name[n] if r["curves"].get(key)]
+                curves = [c for c in (get(r) for r in by_name[n]) if c]
                 if not curves:
                     continue
                 u, mean, lo, hi = seed_band(curves)
@@ -303,20 +308,33 @@ def figure_curves(by_name, names, path):
         if handles:
             axes[-1][col].legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3,
                                  fontsize="small")
-    fig.suptitle("learning curves (mean over seeds; band: min-max)")
+    fig.suptitle(f"learning curves ({over_seeds([len(by_name[n]) for n in names], 'mean over seeds; band: min-max')})")
     return save_study_figure(fig, path)
 
 
-def figure_group_ppl(summary, names, path):
+def grouping_title(name, sizes=None):
+    """A panel title (two lines) of :data:`study.tail.GROUPINGS`' grouping ``name``: where it
+    comes from, its fractions and, given ``sizes`` ({group: types} in this vocabulary), the types in
+    each group here."""
+    percent = " / ".join(f"{100 * f:.1f}" for f in GROUPINGS[name])
+    here = f"{' / '.join(f'{sizes[g]:,}' for g in GROUPS)} types here ({percent} %)" if sizes else f"{percent} %"
+    if name == "paper":
+        return f"the AGG paper's grouping (its 13,000 / 23,000 / 8,256 of {PAPER_TYPES:,} types)\nas fractions: {here}"
+    return f"the demo's grouping\n{here}"
+
+
+def figure_group_ppl(summary, names, path, sizes=None):
     """Test PPL per frequency group, the paper's grouping and the demo's side by side, with error
-    bars of half the seed range."""
+    bars of half the seed range; ``sizes``: the data report's {grouping: {group: types}}, for the
+    titles."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(max(12.0, 1.4 * len(names)), 4.8), sharey=True)
     width = 0.27
     colours = dict(zip(GROUPS, (OKABE_ITO[5], OKABE_ITO[1], OKABE_ITO[4])))
     hatches = dict(zip(GROUPS, ("", "//", "..")))
-    for ax, (prefix, title) in zip(axes, (("test_ppl_", "the AGG paper's groups (13,000 / 23,000 / 8,256 of 44,256)"),
-                                          ("test_ppl_demo_", "the demo's groups (30 / 50 / 20 %)"))):
+    sizes = sizes or {}
+    for ax, (prefix, title) in zip(axes, (("test_ppl_", grouping_title("paper", sizes.get("paper"))),
+                                          ("test_ppl_demo_", grouping_title("demo", sizes.get("demo"))))):
         for k, g in enumerate(GROUPS):
             s = [summary[n].get(f"{prefix}{g}") or {"mean": None, "spread": None} for n in names]
             ax.bar([i + (k - 1) * width for i in range(len(names))], [x["mean"] or 0 for x in s], width,
@@ -324,11 +342,12 @@ def figure_group_ppl(summary, names, path):
                    edgecolor="black", linewidth=0.4)
         ax.set_yscale("log")
         ax.set_xticks(range(len(names)), names, rotation=35, ha="right")
-        ax.set_title(title, fontsize="medium")
+        ax.set_title(title, fontsize="small")
         ax.grid(alpha=0.3, axis="y")
     axes[0].set_ylabel("test perplexity (log scale)")
     axes[1].legend(title="group", loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.suptitle("test perplexity per frequency group (mean ± half range over seeds)")
+    fig.suptitle("test perplexity per frequency group "
+                 f"({over_seeds([len(summary[n]['seeds']) for n in names], 'mean ± half range over seeds')})")
     return save_study_figure(fig, path)
 
 
@@ -351,7 +370,8 @@ def figure_rare_set(by_name, names, path) -> Optional[str]:
             ax.fill_between(u, lo, hi, color=style[n]["color"], alpha=0.15, linewidth=0)
     ax.set_yscale("log")
     return _finish_single_axes(fig, ax, path, "update", "tokens in AGG's rare set",
-                               "AGG's rare set over training (mean over seeds; band: min-max)")
+                               "AGG's rare set over training "
+                               f"({over_seeds([len(by_name[n]) for n in shown], 'mean over seeds; band: min-max')})")
 
 
 def _finish_single_axes(fig, ax, path, xlabel, ylabel, title):
@@ -433,8 +453,10 @@ def extend(summary, names, by_name, results, planned, jobs, data_report, out_dir
     found = claims(summary)
     lines = claims_table(found) + word_similarity_section(names, by_name) + convergence_section(names, by_name)
     lines += timing_section(results, planned, jobs) + data_section(data_report)
-    figures = {"curves": figure_curves(by_name, names, os.path.join(out_dir, "learning_curves.png")),
-               "group_ppl": figure_group_ppl(summary, names, os.path.join(out_dir, "group_ppl.png"))}
+    figures = {"curves": figure_curves(by_name, names, os.path.join(out_dir, "learning_curves.png"),
+                                       os.path.dirname(out_dir)),
+               "group_ppl": figure_group_ppl(summary, names, os.path.join(out_dir, "group_ppl.png"),
+                                             (data_report or {}).get("groups"))}
     rare = figure_rare_set(by_name, names, os.path.join(out_dir, "agg_rare.png"))
     if rare:
         figures["agg_rare"] = rare

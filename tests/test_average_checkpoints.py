@@ -245,20 +245,22 @@ def test_unusable_outputs_are_refused_before_any_work(checkpoints, tmp_path):
     assert not os.path.exists(out)
 
 
-def test_a_failed_write_leaves_the_old_output_and_no_temporary_file(checkpoints, tmp_path, monkeypatch):
+def test_a_failed_write_leaves_the_old_output_and_no_temporary_file(checkpoints, tmp_path, monkeypatch, capsys):
     import fairseq_agg_cli
 
     _, first, second = checkpoints
     out = tmp_path / "avg.pt"
     out.write_bytes(b"the previous average")
 
-    def save_half_then_fail(obj, path):  # a full disk in the middle of the write
-        with open(path, "wb") as f:
-            f.write(b"half a checkpoint")
+    def save_half_then_fail(obj, f):  # a full disk in the middle of the write
+        f.write(b"half a checkpoint")
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", save_half_then_fail)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(SystemExit) as exc:
         fairseq_agg_cli.run_command("average-checkpoints", ["--inputs", str(first), str(second), "--output", str(out)])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == \
+        f"fairseq-agg average-checkpoints: error: no space left on device writing {out}; the previous {out} is kept"
     assert out.read_bytes() == b"the previous average"
     assert sorted(os.listdir(tmp_path)) == ["avg.pt", "ckpts"]

@@ -25,7 +25,7 @@ COSREG = ["--criterion", "cross_entropy_cosreg"]
 FACE = ["--criterion", "cross_entropy_face"]
 STATS = ["--criterion", "cross_entropy_with_stats"]
 MLRA = ["--arch", "transformer_lm_mlra"]
-HUGE_WINDOW = str(10 ** 12)  # 10^12 updates x V int32 counts: petabytes, refused before anything is allocated
+HUGE_WINDOW = str(10 ** 12)  # 10^12 updates x V one-byte counts: petabytes, refused before anything is allocated
 
 # (case id, extra fairseq-train arguments, text the error line must contain: one string, or a tuple
 # of strings, e.g. both flags of a dependent pair)
@@ -39,7 +39,7 @@ TRAIN_CASES = [
     ("agg-alpha-inf-normalized", AGG + ["--agg-alpha", "inf", "--agg-g1-mode", "normalized"], "--agg-alpha"),
     ("agg-window-negative", AGG + ["--agg-window", "-1"], "--agg-window"),
     ("agg-window-huge", AGG + ["--agg-window", HUGE_WINDOW],
-     ("--agg-window must be <= ", f"got {HUGE_WINDOW}", "K x V int32 counts", "8 GiB")),
+     ("--agg-window must be <= ", f"got {HUGE_WINDOW}", "K x V one-byte counts", "8 GiB")),
     ("agg-ref-tokens-negative", AGG + ["--agg-ref-tokens", "-1"], "--agg-ref-tokens"),
     ("agg-g1-mode-unknown", AGG + ["--agg-g1-mode", "sqrt"], "--agg-g1-mode"),
     ("agg-threshold-mode-unknown", AGG + ["--agg-threshold-mode", "tokens"], "--agg-threshold-mode"),
@@ -285,3 +285,33 @@ def test_average_checkpoints_refuses_with_one_line(trained_checkpoint, tmp_path,
     _assert_refused_in_one_line(proc, "fairseq-agg average-checkpoints", expected, may_precede=lambda line: False)
     assert proc.stdout == ""
     _assert_nothing_written(str(out_dir))
+
+
+# --- an invalid choice of one of the plugin's flags: one line, not after fairseq's usage text
+
+CHOICE_CASES = [
+    (AGG + ["--agg-g1-mode", "sqrt"], "--agg-g1-mode must be one of code, normalized, got 'sqrt'"),
+    (AGG + ["--agg-threshold-mode", "tokens"],
+     "--agg-threshold-mode must be one of auto, relative, per-update, got 'tokens'"),
+    (STATS + ["--iso-rows", "some"], "--iso-rows must be one of all, no-pad-madeup, no-special, got 'some'"),
+    (COSREG + ["--cosreg-normalizer=x"], "--cosreg-normalizer must be one of paper, pairs, got 'x'"),
+    (["--optimizer", "coupled_adam", "--coupled-adam-matrices", "foo"],
+     "--coupled-adam-matrices must be one of input, output, all, got 'foo'"),
+]
+
+
+@pytest.mark.parametrize("extra,line", CHOICE_CASES, ids=[case[0][-2] if len(case[0]) > 2 else case[0][-1] for case in CHOICE_CASES])
+def test_an_invalid_choice_of_a_plugin_flag_is_its_only_line(lm_data_bin, tmp_path, extra, line):
+    save_dir = str(tmp_path / "ckpt")
+    proc = run_cli("fairseq-train", _base_args(lm_data_bin, save_dir, extra), expect_ok=False, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"fairseq-train: error: {line}"], proc.stderr[-3000:]
+    _assert_nothing_written(save_dir)
+
+
+def test_an_invalid_choice_of_a_fairseq_flag_keeps_argparse_usage(lm_data_bin, tmp_path):
+    proc = run_cli("fairseq-train", _base_args(lm_data_bin, str(tmp_path / "ckpt"), ["--criterion", "nonexistent"]),
+                   expect_ok=False, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and lines[0].startswith("usage: fairseq-train")
+    assert lines[-1].startswith("fairseq-train: error: argument --criterion: invalid choice: 'nonexistent'")

@@ -13,6 +13,7 @@ from fairseq import metrics, tasks
 from fairseq.criterions import CRITERION_REGISTRY
 from fairseq.trainer import Trainer
 
+from fairseq_agg.errors import UsageError
 from fairseq_agg.ops.counting import target_histogram
 from fairseq_agg.ops.face import face_token_weights
 from fairseq_agg.stats.groups import frequency_groups, row_mask
@@ -219,7 +220,7 @@ def test_counts_of_another_criterion_start_empty_and_own_counts_load_strictly(lm
     restored.load_state_dict(face_state)
     assert torch.equal(restored.counter.counts, face.counter.counts) and face.counter.counts.sum() > 0
     damaged = {k: v for k, v in face_state.items() if k != "counter.meta"}
-    with pytest.raises(RuntimeError, match="counter.meta"):
+    with pytest.raises(UsageError, match="counter.meta missing"):
         restored.load_state_dict(damaged)
 
 

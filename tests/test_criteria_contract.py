@@ -160,7 +160,7 @@ def test_window_flags_are_bounded_by_what_they_allocate(lm_data_bin):
 def test_a_large_checkpoint_state_is_logged_once(lm_data_bin, caplog):
     _, task, _, _ = build_parts(lm_data_bin, TINY_LM_ARGS, ["--criterion", "cross_entropy"], ())
     vocab = len(task.target_dictionary)
-    large = LARGE_STATE_BYTES // (4 * vocab) + 1  # K x V int32 counts just above the limit
+    large = LARGE_STATE_BYTES // vocab + 1  # K x V one-byte counts just above the limit
     def warnings():
         return [r.getMessage() for r in caplog.records
                 if r.levelno >= logging.WARNING and r.name.startswith("fairseq_agg")]

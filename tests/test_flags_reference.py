@@ -61,6 +61,16 @@ def test_optimizer_flags_are_its_dataclass_fields(name):
     assert _component_rows(name) == _dataclass_rows(OPTIMIZER_DATACLASS_REGISTRY[name])
 
 
+def test_a_default_of_none_reads_unset_and_its_help_says_what_then_applies():
+    text = flags.reference_markdown()
+    assert "`None`" not in text
+    unset_rows = [line for line in text.splitlines() if line.startswith("| `--") and "| *unset* |" in line]
+    assert unset_rows, "no flag of the plugin defaults to None any more: drop this test"
+    for line in unset_rows:
+        assert "unset: " in line.split("| *unset* |", 1)[1], line
+    assert "(default: unset)" in flags.describe("cross_entropy_with_stats")
+
+
 def _reference_tables(text):
     """section title -> [flag, ...] of its table."""
     tables = {}

@@ -140,6 +140,107 @@ def test_requirements_never_replace_torch_or_fairseq(built):
     assert meta["Requires-Python"] == ">=3.9"
 
 
+# imported by the package only when the user asks for them, and refused with a message naming what
+# to install when missing: Triton (the compiled path on a GPU, part of CUDA builds of torch) and the
+# foreign kernels of --output-kernel liger / cce
+OPTIONAL_IMPORTS = {"triton", "liger_kernel", "cut_cross_entropy"}
+# the checkout's own top-level modules, imported by bare name (tests/support is on pytest's path)
+OWN_MODULES = {"fairseq_agg", "fairseq_agg_cli", "examples", "study", "scripts", "tests"} | {
+    os.path.splitext(name)[0] for folder in ("tests", os.path.join("tests", "support"))
+    for name in os.listdir(os.path.join(REPO, folder)) if name.endswith(".py")}
+
+
+def _normal(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _requirements_by_extra(meta):
+    """{extra or None: {normalised distribution name}} of the wheel's Requires-Dist."""
+    out = {}
+    for req in meta.get_all("Requires-Dist"):
+        name = _normal(re.match(r"[A-Za-z0-9_.-]+", req).group(0))
+        extra = re.search(r"""extra\s*==\s*["']([^"']+)["']""", req)
+        out.setdefault(extra.group(1) if extra else None, set()).add(name)
+    return out
+
+
+def _fairseqs_requirements():
+    """The distribution that provides ``import fairseq`` and what it requires itself (no extras)."""
+    dist = _distribution_of("fairseq")
+    reqs = [r for r in importlib.metadata.requires(dist) or [] if "extra ==" not in r]
+    return {_normal(dist)} | {_normal(re.match(r"[A-Za-z0-9_.-]+", r).group(0)) for r in reqs}
+
+
+def _third_party_imports(*paths):
+    """{top-level module: [file, ...]} of the absolute imports in the .py files under ``paths``
+    (anywhere in a file, lazy imports included), without the standard library and the checkout's
+    own modules."""
+    import ast
+
+    files = []
+    for path in paths:
+        full = os.path.join(REPO, path)
+        files += [full] if full.endswith(".py") else glob.glob(os.path.join(full, "**", "*.py"), recursive=True)
+    found = {}
+    for file in files:
+        with open(file, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), file)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top not in OWN_MODULES:
+                    found.setdefault(top, []).append(os.path.relpath(file, REPO))
+    return found
+
+
+def _unprovided(imports, distributions):
+    """The modules of ``imports`` that no distribution of ``distributions`` provides here."""
+    provided = importlib.metadata.packages_distributions()
+    return {module: files for module, files in imports.items() if module not in OPTIONAL_IMPORTS
+            and not {_normal(d) for d in provided.get(module, [])} & distributions}
+
+
+needs_stdlib_names = pytest.mark.skipif(not hasattr(sys, "stdlib_module_names"),
+                                        reason="the standard library's module names need Python >= 3.10")
+
+
+@needs_stdlib_names
+def test_install_requirements_are_what_the_package_imports(built):
+    """Each install requirement is imported by the package, and the package imports nothing that
+    neither they nor fairseq (which brings numpy and omegaconf) provide: what only the demos, the
+    study or the tests need is in the extras."""
+    meta, _ = _wheel_metadata(built["wheel"])
+    required = _requirements_by_extra(meta)[None]
+    imports = _third_party_imports("fairseq_agg", "fairseq_agg_cli.py")
+    assert not _unprovided(imports, required | _fairseqs_requirements())
+    provided = importlib.metadata.packages_distributions()
+    imported = {_normal(d) for module in imports for d in provided.get(module, [])}
+    assert required <= imported, f"required but never imported by the package: {sorted(required - imported)}"
+
+
+@needs_stdlib_names
+def test_examples_study_and_tests_need_only_the_extras(built):
+    """The demo and study commands install the package with [examples], the test command with
+    [examples,test] (scripts/setup_env.sh); each set of folders imports nothing more."""
+    meta, _ = _wheel_metadata(built["wheel"])
+    extras = _requirements_by_extra(meta)
+    assert {"sacrebleu", "sacremoses", "sentencepiece"} <= extras["examples"]
+    assert {"pytest", "tensorboardx"} <= extras["test"]
+    base = extras[None] | _fairseqs_requirements()
+    assert not _unprovided(_third_party_imports("examples", "study"), base | extras["examples"])
+    assert not _unprovided(_third_party_imports("examples", "study", "tests", "scripts"),
+                           base | extras["examples"] | extras["test"])
+    with open(os.path.join(REPO, "scripts", "setup_env.sh"), encoding="utf-8") as f:
+        setup = f.read()
+    assert 'extra="[examples]"' in setup and 'extra="[examples,test]"' in setup
+
+
 def _venv_with_links(path, leave_out):
     """A venv whose sys.path also holds links to this environment's packages, minus ``leave_out``
     (names matched by prefix) and this checkout's install; returns (python, site-packages)."""

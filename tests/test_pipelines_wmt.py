@@ -69,7 +69,7 @@ def write_wmt_raw(raw):
     corpora = {
         "training/europarl-v7.de-en": parallel_pairs(250, 1),
         "commoncrawl.de-en": parallel_pairs(150, 2),
-        "training/news-commentary-v12.de-en": parallel_pairs(100, 3),
+        "training/news-commentary-v9.de-en": parallel_pairs(100, 3),  # the default, the AGG paper's
     }
     # Common Crawl style noise: a length-ratio outlier, an over-long pair, Windows line ends.
     corpora["commoncrawl.de-en"] += [
@@ -149,6 +149,15 @@ def test_prepare_reports_missing_raw_file(tmp_path, recipe):
 def test_prepare_rejects_bad_vocab_size(tmp_path, recipe):
     proc = run_script(recipe("prepare.sh"), ["--raw-dir", tmp_path, "--vocab-size", "5"], expect_ok=False)
     assert proc.returncode == 2 and "--vocab-size" in proc.stderr and ">= 100" in proc.stderr
+    proc = run_script(recipe("prepare.sh"), ["--raw-dir", tmp_path, "--news-commentary", "v10"], expect_ok=False)
+    assert proc.returncode == 2 and "--news-commentary must be v9 or v12, got 'v10'" in proc.stderr
+
+
+def test_prepare_defaults_are_the_papers(recipe):
+    """The AGG paper's data: fairseq's prepare-wmt14en2de.sh --icml17 (News Commentary v9, WMT14's
+    own) with a joint BPE of 37,000 (its copy of that script)."""
+    text = run_script(recipe("prepare.sh"), ["--help"]).stdout
+    assert "(37000, the AGG paper's" in text and "default (v9)" in text
 
 
 def test_train_sh_methods_and_hyperparameters(recipe):
@@ -157,7 +166,7 @@ def test_train_sh_methods_and_hyperparameters(recipe):
     proc = run_script(recipe("train.sh"), ["agg", "big", "--", "--max-update", "7"], env=env)
     agg = proc.stdout
     for flag in ["--criterion cross_entropy_agg", "--label-smoothing 0.1", "--agg-alpha 0.08",
-                 "--arch transformer_vaswani_wmt_en_de_big", "--share-all-embeddings", "--lr 1e-3",
+                 "--arch transformer_wmt_en_de_big", "--share-all-embeddings", "--lr 1e-3",
                  "--warmup-updates 4000", "--warmup-init-lr 1e-07", "--weight-decay 0.01", "--dropout 0.3",
                  "--max-tokens 8192 --update-freq 8 --distributed-world-size 1", "--save-interval-updates 2000",
                  "--keep-interval-updates 10", "--keep-last-epochs 10", "--stop-min-lr 1e-09"]:
@@ -169,7 +178,18 @@ def test_train_sh_methods_and_hyperparameters(recipe):
     base = run_script(recipe("train.sh"), ["baseline"], env=env).stdout
     assert "--criterion label_smoothed_cross_entropy " in base and "--arch transformer_wmt_en_de " in base
     mlra = run_script(recipe("train.sh"), ["agg+mlra", "big"], env=env).stdout
-    assert "--arch transformer_mlra_vaswani_wmt_en_de_big" in mlra and "cross_entropy_agg" in mlra
+    # transformer_wmt_en_de_big, the paper's big model, is the Vaswani big model with attention dropout 0.1
+    from fairseq.models import ARCH_CONFIG_REGISTRY
+
+    papers, vaswani = argparse.Namespace(), argparse.Namespace()
+    ARCH_CONFIG_REGISTRY["transformer_wmt_en_de_big"](papers)
+    ARCH_CONFIG_REGISTRY["transformer_vaswani_wmt_en_de_big"](vaswani)
+    assert (papers.attention_dropout, vaswani.attention_dropout) == (0.1, 0.0)
+    assert {k: v for k, v in vars(papers).items() if k != "attention_dropout"} == \
+        {k: v for k, v in vars(vaswani).items() if k != "attention_dropout"}
+    # the MLRA twin of the big model, with the attention dropout that transformer_wmt_en_de_big adds
+    assert "--arch transformer_mlra_vaswani_wmt_en_de_big --attention-dropout 0.1 " in mlra
+    assert "cross_entropy_agg" in mlra
     keep_all = run_script(recipe("train.sh"), ["agg", "--keep-last-epochs", "0"], env=env).stdout
     assert "--keep-last-epochs" not in keep_all
     bad = run_script(recipe("train.sh"), ["agg", "huge"], env=env, expect_ok=False)

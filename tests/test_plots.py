@@ -70,10 +70,12 @@ def test_projection_panels_share_axes_and_are_labelled(tmp_path):
     assert [bool(ax.get_xlabel()) for ax in shown] == [False, False, True, True, True]
     # at most max_points rows a group, evenly spaced: 16, 30 and 10 rows -> 8, 10 and 10 points
     assert [len(c.get_offsets()) for c in shown[0].collections] == [8, 10, 10]
-    # the points are the rows projected on the top two right-singular directions
+    # the points are the rows projected on the top two right-singular directions, turned towards
+    # the mean row
     title, W, rows, spec, groups = panels[0]
-    expected = W[groups["rare"]] @ spec.directions[:2].t()
+    expected = W[groups["rare"]] @ plots.projection_directions(spec).t()
     assert np.allclose(np.asarray(shown[0].collections[2].get_offsets()), expected.numpy(), rtol=1e-6, atol=1e-9)
+    assert torch.allclose(plots.projection_directions(spec).abs(), spec.directions[:2].abs())
     legend = fig.legends[0]
     assert [t.get_text() for t in legend.get_texts()] == ["frequent", "medium", "rare"]
     assert _legend_outside(fig, legend, fig.axes)
@@ -101,3 +103,41 @@ def test_analyze_projection_titles_carry_the_isotropy(tmp_path, monkeypatch):
     titles = [ax.get_title() for ax in figures[0].axes if ax.get_visible()]
     assert titles == [f"wide: dec, I(W) = {iso[0]:.3f}", f"cone: dec, I(W) = {iso[1]:.3f}"]
     assert _is_png(tmp_path / "out" / "projection.png") and _is_png(tmp_path / "out" / "spectrum.png")
+
+
+def _cone(seed, direction, n=200, d=8):
+    """Rows along ``direction`` * (0 .. 6) on the first axis plus small noise: a wide cloud."""
+    W = 0.3 * torch.randn(n, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    W[:, 0] += direction * torch.linspace(0, 6, n, dtype=torch.float64)
+    rows = torch.arange(4, n)
+    groups = OrderedDict(freq=torch.arange(4, 60), med=torch.arange(60, 160), rare=torch.arange(160, n))
+    return W, rows, embedding_spectrum(W, rows), groups
+
+
+def test_projection_directions_point_to_the_mean_row_in_every_panel(tmp_path):
+    """Checkpoints whose cones point either way, or whose solver signed v1 either way, are drawn
+    the same way round: the mean row projects on the positive side of v1 in every panel."""
+    W, rows, spec, groups = _cone(0, +1.0)
+    mirrored = spec._replace(directions=-spec.directions)  # the other sign a solver may return
+    W2, rows2, spec2, groups2 = _cone(1, -1.0)
+    panels = [("a", W, rows, spec, groups), ("a, solver's other sign", W, rows, mirrored, groups),
+              ("b, cone the other way", W2, rows2, spec2, groups2)]
+    fig = plots.plot_projection(panels, str(tmp_path / "projection.png"), max_points=1000)
+    shown = [ax for ax in fig.axes if ax.get_visible()]
+    rare = [np.asarray(ax.collections[2].get_offsets()) for ax in shown]
+    assert np.allclose(rare[0], rare[1])
+    assert all(points[:, 0].mean() > 0 for points in rare)
+    for _, Wk, rk, sk, _ in panels:
+        assert float((Wk[rk].mean(0) @ plots.projection_directions(sk)[0].t())) > 0
+
+
+def test_projection_rows_are_as_tall_as_the_shared_scale_makes_them(tmp_path):
+    """A wide cloud on equal scales makes short panels; the rows follow them without an empty band."""
+    panels = [(f"run{k}", *_cone(k, 1.0)) for k in range(8)]
+    fig = plots.plot_projection(panels, str(tmp_path / "projection.png"), max_points=100)
+    shown = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(shown) == 8 and shown[0].get_aspect() == 1.0
+    width, height = fig.get_size_inches()
+    top, below = shown[0].get_position(), shown[4].get_position()  # rows 1 and 2 of 4 panels each
+    assert top.height * height < 0.5 * top.width * width  # a wide cloud: short panels
+    assert (top.y0 - below.y1) * height < 0.25 * top.width * width  # the gap: titles and tick labels only

@@ -53,3 +53,35 @@ def test_relative_links_point_at_files(page):
 def test_no_unfilled_placeholders(readme):
     assert not re.search(r"\b[A-Z]{3,}_[A-Z_]{3,}\b", readme.replace("OMP_NUM_THREADS", "")), \
         "README.md holds an unfilled placeholder"
+
+
+def _python_blocks(page, heading):
+    """The ```python blocks of ``page`` between ``heading`` and the next heading of any level (a
+    line starting with ``#`` inside a block is a comment, not a heading)."""
+    blocks, fence, inside = [], None, False  # fence: the lines of the open code block, if any
+    for line in _read(page).splitlines():
+        if fence is not None:
+            if line.startswith("```"):
+                if fence[0] == "```python":
+                    blocks.append("\n".join(fence[1:]) + "\n")
+                fence = None
+            else:
+                fence.append(line)
+        elif line.startswith("```"):
+            fence = [line] if inside else None
+        elif line == heading:
+            inside = True
+        elif inside and line.startswith("#"):
+            break
+    return blocks
+
+
+def test_api_combining_methods_snippet_runs_as_written():
+    import torch
+
+    (code,) = _python_blocks(os.path.join("docs", "api.md"), "## Combining methods in one pass")
+    namespace = {}
+    exec(compile(code, "docs/api.md: Combining methods in one pass", "exec"), namespace)
+    gates, frozen = namespace["gates"], namespace["freeze"].rows(namespace["u"], namespace["gates"])
+    assert torch.equal(frozen, gates.rare) and gates.rare.any()
+    assert torch.isfinite(namespace["out"].loss) and namespace["h"].grad is not None

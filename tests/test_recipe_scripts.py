@@ -1,6 +1,7 @@
 """The command lines of the WMT14 and WikiText-103 recipes (examples/*/{prepare,train,evaluate}.sh):
---help, unknown flags, and train.sh's GPU count. Nothing here runs fairseq: train.sh runs with
-DRY_RUN=1 (it prints the fairseq-train command), the others stop at --help or at a bad flag."""
+--help, unknown flags, and train.sh's GPUs, machines and launchers. Nothing here runs fairseq:
+train.sh runs with DRY_RUN=1 or --dry-run (it prints the command), the others stop at --help or at
+a bad flag."""
 import os
 import re
 import subprocess
@@ -37,7 +38,7 @@ def help_blocks(text):
 
 HELP_ARGS = {  # a third way to ask for help: after other arguments
     "prepare.sh": ["--out", "OUT", "--help"],
-    "train.sh": ["agg", "--gpus", "2", "--help"],
+    "train.sh": ["agg", "--gpus", "2", "--dry-run", "--help"],
     "evaluate.sh": ["--out", "OUT", "--batch-size", "3", "-h"],
 }
 
@@ -75,44 +76,135 @@ def test_unknown_flag_is_an_error_naming_it(repo_root, recipe, name, args):
     assert proc.stdout == ""
 
 
+def one_error_line(proc, script_name):
+    """The message of a refusal: exit status 2, one "SCRIPT: error: ..." line, nothing on stdout."""
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"{script_name}: error: "), proc.stderr
+    assert proc.stdout == ""
+    return lines[0]
+
+
+def fairseq_args(command_line):
+    """The fairseq-train arguments of a printed command line (after the fairseq-train path)."""
+    words = command_line.split()
+    start = next(i for i, w in enumerate(words) if w.endswith("/fairseq-train"))
+    return words[start + 1:]
+
+
+def value_of(args, flag):
+    return args[args.index(flag) + 1]
+
+
 @pytest.mark.parametrize("recipe, max_tokens", [("wmt14_en_de", 8192), ("wikitext103", 4096)])
 def test_train_sh_gpu_count_keeps_tokens_per_update(repo_root, recipe, max_tokens):
     script = os.path.join(repo_root, "examples", recipe, "train.sh")
-    paper = f"(the paper: 1 x {max_tokens} x 8 = {8 * max_tokens})"
+    paper_tokens = 8 * max_tokens
+    paper = f"(the paper: 1 x {max_tokens} x 8 = {paper_tokens})"
     one = run_script(script, ["agg"], dry_run=True)
     assert f"--max-tokens {max_tokens} --update-freq 8 --distributed-world-size 1 " in one.stdout
-    assert f"tokens per update = GPUs x --max-tokens x --update-freq = 1 x {max_tokens} x 8 = {8 * max_tokens} " \
+    assert f"tokens per update = GPUs x --max-tokens x --update-freq = 1 x {max_tokens} x 8 = {paper_tokens} " \
            f"{paper}" in one.stderr
     assert "AGG's rare-token threshold does not depend on it" in one.stderr
-    two = run_script(script, ["agg", "--gpus", "2"], dry_run=True)
-    assert f"--max-tokens {max_tokens} --update-freq 4 --distributed-world-size 2 " in two.stdout
-    assert f"= 2 x {max_tokens} x 4 = {8 * max_tokens} {paper}" in two.stderr
-    bad = run_script(script, ["agg", "--gpus", "3"], dry_run=True)
-    assert bad.returncode == 2 and "--gpus 3 does not divide" in bad.stderr and "--update-freq" in bad.stderr
+    # M x N GPUs: the update frequency falls while it can, then --max-tokens (in whole 1,024-token units)
+    for nodes, gpus, micro, freq in ((1, 2, max_tokens, 4), (1, 8, max_tokens, 1), (2, 8, max_tokens // 2, 1),
+                                     (4, 8, max_tokens // 4, 1)):
+        proc = run_script(script, ["agg", "--nodes", nodes, "--gpus", gpus, "--rdzv-endpoint", "node1:29500"]
+                          if nodes > 1 else ["agg", "--gpus", gpus], dry_run=True)
+        assert proc.returncode == 0, proc.stderr
+        args = fairseq_args(proc.stdout)
+        world = nodes * gpus
+        assert (value_of(args, "--max-tokens"), value_of(args, "--update-freq"),
+                value_of(args, "--distributed-world-size")) == (str(micro), str(freq), str(world))
+        assert world * micro * freq == paper_tokens
+        assert f"= {world} x {micro} x {freq} = {paper_tokens} {paper}" in proc.stderr
+    # no whole number of 1,024-token units per GPU: the user chooses the batch
+    for args, world in ((["--gpus", "3"], 3), (["--nodes", "2", "--gpus", "3", "--rdzv-endpoint", "h:1"], 6)):
+        bad = run_script(script, ["agg"] + args, dry_run=True)
+        line = one_error_line(bad, "train.sh")
+        assert f"= {world} GPUs cannot share the paper's {paper_tokens} tokens per update" in line
+        assert f"pass --update-freq K (tokens per update = {world} x {max_tokens} x K)" in line
     three = run_script(script, ["agg", "--gpus", "3", "--update-freq", "3"], dry_run=True)
-    assert "--update-freq 3 --distributed-world-size 3 " in three.stdout
+    assert "--max-tokens %d --update-freq 3 --distributed-world-size 3 " % max_tokens in three.stdout
     assert f"= 3 x {max_tokens} x 3 = {9 * max_tokens} " in three.stderr
     # fairseq flags after -- are what the run uses, and the printed product follows them
     tiny = run_script(script, ["agg", "--", "--max-tokens", "800", "--update-freq=2"], dry_run=True)
     assert tiny.stdout.rstrip().endswith("--max-tokens 800 --update-freq=2") and "= 1 x 800 x 2 = 1600 " in tiny.stderr
-    for args, flag in ((["agg", "--gpus", "0"], "--gpus must be an integer >= 1"),
-                       (["agg", "--update-freq", "x"], "--update-freq must be an integer >= 1")):
-        bad = run_script(script, args, dry_run=True)
-        assert bad.returncode == 2 and flag in bad.stderr, (args, bad.stderr)
 
 
-@pytest.mark.parametrize("recipe, dict_file", [("wmt14_en_de", "dict.en.txt"), ("wikitext103", "dict.txt")])
-def test_train_sh_refuses_more_gpus_than_torch_sees(repo_root, recipe, dict_file, tmp_path):
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_train_sh_launchers(repo_root, recipe, tmp_path):
+    script = os.path.join(repo_root, "examples", recipe, "train.sh")
+    # torchrun on two machines: the same command on each, fairseq-train under it with the world size
+    torchrun = run_script(script, ["agg", "--nodes", "2", "--gpus", "8", "--rdzv-endpoint", "node1:29500",
+                                   "--dry-run"])
+    assert torchrun.returncode == 0, torchrun.stderr
+    words = torchrun.stdout.split()
+    assert os.path.basename(words[0]) == "torchrun"
+    assert " ".join(words[1:9]) == "--nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node1:29500"
+    assert words[9].endswith("/fairseq-train")
+    args = fairseq_args(torchrun.stdout)
+    assert value_of(args, "--distributed-world-size") == "16" and "--fp16" in args
+    assert "--distributed-init-method" not in args  # fairseq takes env:// from torchrun's variables
+    assert "[train] run this command on each of the 2 nodes" in torchrun.stderr
+    # one machine under torchrun: a local rendezvous
+    local = run_script(script, ["agg", "--gpus", "4", "--launcher", "torchrun"], dry_run=True)
+    assert "--nnodes 1 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint localhost:29500 " in local.stdout
+    # slurm: an sbatch script with one task per GPU; fairseq meets at --distributed-port
+    slurm = run_script(script, ["agg", "--nodes", "4", "--gpus", "8", "--launcher", "slurm",
+                                "--distributed-port", "12345", "--dry-run"], SAVE_DIR=str(tmp_path / "save"))
+    assert slurm.returncode == 0, slurm.stderr
+    lines = slurm.stdout.splitlines()
+    assert lines[:5] == ["#!/bin/bash", "#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8", "#SBATCH --gres=gpu:8",
+                         f"mkdir -p {tmp_path / 'save'}"]
+    assert lines[5].startswith("srun --nodes 4 --ntasks-per-node 8 --gres gpu:8 ") and len(lines) == 6
+    args = fairseq_args(lines[5])
+    assert value_of(args, "--distributed-world-size") == "32" and value_of(args, "--distributed-port") == "12345"
+    assert not (tmp_path / "save").exists()  # printed, not run
+    # --dry-run and DRY_RUN=1 print the same command
+    assert run_script(script, ["agg", "--dry-run"]).stdout == run_script(script, ["agg"], dry_run=True).stdout
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("args, message", [
+    (["--nodes", "0"], "--nodes must be an integer >= 1, got '0'"),
+    (["--nodes", "two"], "--nodes must be an integer >= 1, got 'two'"),
+    (["--gpus", "0"], "--gpus must be an integer >= 1, got '0'"),
+    (["--update-freq", "x"], "--update-freq must be an integer >= 1, got 'x'"),
+    (["--launcher", "mpirun"], "--launcher must be fairseq, torchrun or slurm, got 'mpirun'"),
+    (["--nodes", "2", "--launcher", "fairseq"], "--launcher fairseq starts processes on this node only; --nodes 2 "
+                                                 "needs --launcher torchrun or slurm"),
+    (["--nodes", "2"], "--launcher torchrun on --nodes 2 needs --rdzv-endpoint HOST:PORT"),
+    (["--launcher", "torchrun", "--rdzv-endpoint", "node1"], "--rdzv-endpoint must be HOST:PORT with a port in "
+                                                              "1..65535, got 'node1'"),
+    (["--launcher", "torchrun", "--rdzv-endpoint", "node1:70000"], "got 'node1:70000'"),
+    (["--rdzv-endpoint", "node1:29500"], "--rdzv-endpoint is for --launcher torchrun (the launcher is fairseq)"),
+    (["--launcher", "slurm", "--distributed-port", "0"], "--distributed-port must be an integer in 1..65535, got '0'"),
+    (["--launcher", "torchrun", "--distributed-port", "29500"], "--distributed-port is for --launcher slurm "
+                                                                 "(the launcher is torchrun)"),
+    (["--nodes"], "--nodes needs a value"),
+])
+def test_train_sh_launch_flags_refuse_bad_values_in_one_line(repo_root, recipe, args, message, tmp_path):
+    proc = run_script(os.path.join(repo_root, "examples", recipe, "train.sh"), ["agg"] + args + ["--dry-run"],
+                      SAVE_DIR=str(tmp_path / "save"))
+    line = one_error_line(proc, "train.sh")
+    assert message in line, line
+    assert not (tmp_path / "save").exists()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_train_sh_warns_only_on_one_node_with_more_gpus_than_it_sees(repo_root, recipe):
     import torch
 
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / dict_file).write_text("")
     seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
     n = seen + 2
-    proc = run_script(os.path.join(repo_root, "examples", recipe, "train.sh"), ["agg", "--gpus", n, "--update-freq", 1],
-                      DATA_BIN=str(tmp_path / "data"), SAVE_DIR=str(tmp_path / "save"))
-    assert proc.returncode == 2 and f"--gpus {n}: torch sees {seen} GPUs here" in proc.stderr, proc.stderr
-    assert not (tmp_path / "save").exists()
+    script = os.path.join(repo_root, "examples", recipe, "train.sh")
+    proc = run_script(script, ["agg", "--gpus", n, "--update-freq", 1], dry_run=True)
+    assert proc.returncode == 0 and f"[train] warning: --gpus {n}, but torch sees {seen} GPUs on this node" \
+        in proc.stderr, proc.stderr
+    assert f"--distributed-world-size {n} " in proc.stdout
+    several = run_script(script, ["agg", "--nodes", 2, "--gpus", n, "--update-freq", 1, "--rdzv-endpoint", "h:1"],
+                         dry_run=True)
+    assert several.returncode == 0 and "warning" not in several.stderr, several.stderr
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -118,6 +118,92 @@ def test_report_marks_the_methods_that_differ_beyond_the_spread(tmp_path):
         assert open(os.path.join(out, png), "rb").read(8) == PNG_MAGIC
 
 
+# ---------------------------------------------------------------------------- what the figures draw
+
+
+def test_train_panels_draw_the_plain_cross_entropy_of_every_criterion(tmp_path):
+    def run(run_id, last_train, curves):
+        return {"run_id": run_id, "last_train": last_train, "curves": curves}
+
+    # FACE: loss is its weighted loss, nll_loss the cross-entropy
+    face = run("face-s1", {"loss": "4.2", "nll_loss": "6.9"}, {"train_loss": [(10, 4.2)], "train_nll": [(10, 6.9)]})
+    assert R.train_cross_entropy(face, str(tmp_path)) == [(10, 6.9)]
+    # stock cross_entropy logs no nll_loss: its loss is the cross-entropy
+    stock = run("baseline-s1", {"loss": "6.8"}, {"train_loss": [(10, 6.8)]})
+    assert R.train_cross_entropy(stock, str(tmp_path)) == [(10, 6.8)]
+    # a result.json from before the nll_loss curve: read from the run's train.log
+    old = run("ul-s1", {"loss": "7.4", "nll_loss": "7.0"}, {"train_loss": [(10, 7.4), (20, 7.3)]})
+    os.makedirs(tmp_path / "ul-s1")
+    (tmp_path / "ul-s1" / "train.log").write_text(
+        "x | train_inner | epoch 001:  10 / 99 loss=7.4, nll_loss=7.0, ppl=128, num_updates=10\n"
+        "x | train_inner | epoch 001:  20 / 99 loss=7.3, nll_loss=6.9, ppl=119.4, num_updates=20\n", encoding="utf-8")
+    assert R.train_cross_entropy(old, str(tmp_path)) == [(10, 7.0), (20, 6.9)]
+    # ... and left out, not drawn on the wrong quantity, when the log is gone too
+    assert R.train_cross_entropy(run("cosreg-s1", old["last_train"], old["curves"]), str(tmp_path)) == []
+    # the validation: log2 of fairseq's ppl, which is 2 ** nll_loss for every criterion
+    assert R.valid_cross_entropy({"curves": {"valid_ppl": [(100, 8.0), (200, 4.0)]}}) == [(100, 3.0), (200, 2.0)]
+
+
+def test_figure_titles_say_one_seed_where_there_is_no_range():
+    several = "mean ± half range over seeds"
+    assert R.over_seeds([1, 1, 1], several) == "one seed"
+    assert R.over_seeds([3, 3], several) == several
+    assert R.over_seeds([3, 1], several).startswith(several + ";")
+
+
+def _summary(values, seeds=1):
+    return {key: {"mean": v, "spread": 0.0} for key, v in values.items()} | {"seeds": list(range(1, seeds + 1))}
+
+
+def test_depth_figure_draws_the_spike_panel_only_when_a_run_had_a_spike(tmp_path, monkeypatch):
+    drawn = []
+    monkeypatch.setattr(R, "save_study_figure", lambda fig, path: drawn.append(fig) or path)
+    names, groups, summary = [], {}, {}
+    for method in ("baseline", "mlra"):
+        for depth in (2, 6):
+            n = f"{method}-L{depth}"
+            names.append(n)
+            groups[n] = {"method": method, "depth": depth}
+            summary[n] = _summary({"tev_mu": 0.15, "tev_sigma": 0.04, "test_ppl": 90.0, "max_gnorm": 1.2,
+                                   "gnorm_spikes": 0, "loss_spikes": 0})
+    R.figure_depth(summary, names, groups, str(tmp_path / "depth.png"), dict(P.SPIKE_DEFAULTS))
+    summary["mlra-L6"]["gnorm_spikes"]["mean"] = 2
+    R.figure_depth(summary, names, groups, str(tmp_path / "depth.png"), dict(P.SPIKE_DEFAULTS))
+    quiet, spiky = drawn
+    assert [ax.get_ylabel() for ax in quiet.axes] == ["µTEV", "σTEV", "test perplexity", "largest gradient norm"]
+    assert "one seed" in quiet._suptitle.get_text() and "no spike in any run" in quiet._suptitle.get_text()
+    assert spiky.axes[-1].get_ylabel() == "gradient-norm spikes (count)"
+    assert "no spike" not in spiky._suptitle.get_text()
+
+
+def test_frontier_labels_of_close_points_cover_no_other_label(tmp_path, monkeypatch):
+    drawn = []
+    monkeypatch.setattr(R, "save_study_figure", lambda fig, path: drawn.append(fig) or path)
+    names, groups, summary = ["baseline", "cosreg"], {"baseline": {}, "cosreg": {}}, {}
+    summary["baseline"] = _summary({"isotropy": 0.16, "isotropy_raw": 0.31, "test_ppl": 79.9})
+    summary["cosreg"] = _summary({"isotropy": 0.68, "isotropy_raw": 0.68, "test_ppl": 81.8})
+    for g1, shift in (("code", 0.0), ("normalized", -0.004)):  # two sweeps almost on top of each other
+        for k, alpha in enumerate((0.01, 0.02, 0.04, 0.08)):
+            n = f"{g1}-a{alpha}"
+            names.append(n)
+            groups[n] = {"alpha": alpha, "g1": g1}
+            summary[n] = _summary({"isotropy": 0.28 + 0.005 * k + shift, "isotropy_raw": 0.45 + 0.005 * k + shift,
+                                   "test_ppl": 80.65 - 0.01 * k + shift})
+    R.figure_frontier(summary, names, groups, str(tmp_path / "frontier.png"))
+    from matplotlib.text import Text
+
+    (fig,) = drawn
+    assert "one seed" in fig._suptitle.get_text()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes[:2]:
+        labels = [t for t in ax.texts if t.get_text().startswith("α=")]
+        assert len(labels) == 8
+        for t in labels:
+            t.update_positions(renderer)
+        boxes = [Text.get_window_extent(t, renderer) for t in labels]  # the text, without its leader line
+        assert not [(i, j) for i in range(8) for j in range(i) if boxes[i].overlaps(boxes[j])]
+
+
 # ---------------------------------------------------------------------------- greedy decoding
 
 

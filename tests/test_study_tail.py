@@ -114,6 +114,14 @@ def test_paper_grouping_is_the_papers_type_counts_as_fractions():
     assert tuple(float(x) for x in T.fractions_flag(fr).split(",")) == fr
 
 
+def test_group_ppl_titles_give_this_vocabularys_group_sizes_not_the_papers():
+    sizes = {"freq": 5721, "med": 10121, "rare": 3633}
+    title = TR.grouping_title("paper", sizes)
+    assert "5,721 / 10,121 / 3,633 types here (29.4 / 52.0 / 18.7 %)" in title
+    assert "its 13,000 / 23,000 / 8,256 of 44,256 types" in title  # where the fractions come from
+    assert TR.grouping_title("demo") == "the demo's grouping\n30.0 / 50.0 / 20.0 %"
+
+
 def _dictionary(n_types):
     from fairseq.data import Dictionary
 

@@ -13,8 +13,12 @@
 #   --context-window N       tokens of context each scored token sees, 0 <= N < --tokens-per-sample
 #                            (400, the AGG paper's)
 #   --batch-size N           blocks per batch (2)
-#   --group-preset NAME      frequency groups of fairseq-agg-analyze, e.g. wikitext103-official
-#                            (its default: 30% / 50% / 20% of the types)
+#   --group-preset NAME      frequency groups of the per-group perplexity: wikitext103-official
+#                            (the paper's ids [0,13000), [13000,36000), [36000,V); needs V > 36,000),
+#                            fractions (30% / 50% / 20% of the types in dictionary order) or auto:
+#                            the paper's preset on the paper's vocabulary (prepare.sh --tokenizer
+#                            gpt2 --gpt2-dict corpus) when it is large enough, else the fractions
+#                            (auto)
 #   --out DIR                where the outputs go (next to the checkpoint: eval-SUBSET/)
 #   -h, --help               this help
 # Everything after -- goes to fairseq-eval-lm (e.g. -- --cpu).
@@ -23,16 +27,17 @@
 #    400 tokens of context): the headline perplexity, per token of the prepared vocabulary;
 # 2. fairseq-agg-analyze with --data, scoring the same blocks with the same context window as
 #    step 1 (its groups split eval-lm's total): perplexity per frequency group of the target token
-#    (frequent / medium / rare = 30% / 50% / 20% of the types in dictionary order, or
-#    --group-preset wikitext103-official for the official fixed id ranges), isotropy I(W),
-#    µTEV / σTEV and mean cosine of the embeddings, report.json and PNG figures.
+#    (--group-preset), isotropy I(W), µTEV / σTEV and mean cosine of the embeddings, report.json
+#    and PNG figures. The paper's groups are frequency ranks: ids of a dictionary that
+#    fairseq-preprocess sorted by training count, cut at 13,000 and 36,000 (of V = 44,256 GPT-2
+#    types on WikiText-103); on another dictionary the same ids mean other ranks.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=../common.sh
 source "$here/../common.sh"  # root, py, bindir, die, parse_flags, need_int
 
-ckpt=""; prep="$root/data/wikitext103"; subset=test; tps=512; ctx=400; bsz=2; out=""; preset=""
+ckpt=""; prep="$root/data/wikitext103"; subset=test; tps=512; ctx=400; bsz=2; out=""; preset=auto
 parse_flags "--checkpoint=ckpt --prep=prep --subset=subset --tokens-per-sample=tps --context-window=ctx
   --batch-size=bsz --out=out --group-preset=preset --" "$@"
 [[ -n "$ckpt" ]] || die "--checkpoint PATH is required (see --help)"
@@ -48,6 +53,28 @@ need_int --tokens-per-sample "$tps" 2
 need_int --batch-size "$bsz" 1
 data="$prep/data-bin"
 [[ -f "$data/dict.txt" ]] || die "--prep $prep: no data-bin/dict.txt (run prepare.sh with --out $prep)"
+case "$preset" in auto|fractions|wikitext103-official) ;;
+  *) die "--group-preset must be auto, fractions or wikitext103-official, got '$preset'" ;; esac
+types=$(( $(wc -l < "$data/dict.txt") + 4 ))  # fairseq adds 4 special symbols to dict.txt's entries
+if [[ "$preset" == auto ]]; then
+  preset=fractions
+  if grep -qx "tokenizer=gpt2 dictionary=corpus" "$prep/tokenizer.txt" 2>/dev/null; then
+    if (( types > 36000 )); then preset=wikitext103-official
+    else echo "[evaluate] --group-preset auto: V = $types is too small for the paper's groups (ids 13,000 / 36,000): using the fractions"
+    fi
+  fi
+fi
+if [[ "$preset" == wikitext103-official ]]; then
+  # the analysis' own check, asked before anything is written
+  refusal="$("$py" -c 'import sys
+from fairseq_agg.errors import UsageError
+from fairseq_agg.stats.groups import frequency_groups
+try:
+    frequency_groups(preset=sys.argv[1], num_rows=int(sys.argv[2]), flag="--group-preset")
+except UsageError as e:
+    print(e)' "$preset" "$types")"
+  [[ -z "$refusal" ]] || die "$refusal"
+fi
 out="${out:-$(dirname "$ckpt")/eval-$subset}"
 mkdir -p "$out"
 
@@ -62,6 +89,7 @@ grep -q "Perplexity" "$out/eval_lm.log" || die "fairseq-eval-lm failed; see $out
 echo "[evaluate] fairseq-agg-analyze: per-group perplexity and embedding report"
 analyze_args=("$ckpt" --data "$data" --split "$subset" --out "$out/analysis"
   --tokens-per-sample "$tps" --context-window "$ctx")
-[[ -n "$preset" ]] && analyze_args+=(--group-preset "$preset")
+[[ "$preset" == fractions ]] || analyze_args+=(--group-preset "$preset")
+echo "[evaluate] frequency groups: $preset"
 "$bindir/fairseq-agg-analyze" "${analyze_args[@]}"
 echo "[evaluate] outputs in $out (eval_lm.log, analysis/report.json, analysis/*.png)"

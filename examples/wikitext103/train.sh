@@ -11,20 +11,38 @@
 #         agg+mlra   AGG on the MLRA model
 #
 # Flags (default):
-#   --gpus N              GPUs to train on, one process each (1); fairseq-train gets
-#                         --distributed-world-size N
-#   --update-freq K       gradient accumulation steps (8 / --gpus; --gpus must divide 8 unless
-#                         K is given)
-#   -h, --help            this help
+#   --nodes M               machines to train on (1)
+#   --gpus N                GPUs per machine, one process each (1); fairseq-train gets
+#                           --distributed-world-size M x N
+#   --update-freq K         gradient accumulation steps (chosen so that M x N GPUs keep the paper's
+#                           32,768 tokens per update; see below)
+#   --launcher NAME         fairseq (fairseq-train spawns the processes; one machine only), torchrun
+#                           or slurm (fairseq with --nodes 1, torchrun with more)
+#   --rdzv-endpoint H:P     torchrun's rendezvous, a host every machine reaches (localhost:29500 on
+#                           one machine; required on several)
+#   --distributed-port P    slurm: the port fairseq meets at on the first node (29500)
+#   --dry-run               print the command (slurm: an sbatch script) instead of running it (off)
+#   -h, --help              this help
 # Everything after -- goes to fairseq-train last, so it overrides the recipe's values
 # (e.g. -- --max-update 1000).
 #
-# GPUs and batch size: tokens per update = GPUs x --max-tokens x --update-freq. The recipe
-# assumes one GPU: 1 x 4096 x 8 = 32,768 tokens per update (4 samples of 1,024 tokens x 8), the
-# AGG paper's LM setting. --gpus N keeps that product (update frequency 8 / N); --update-freq K
-# sets another one. The script prints the product before it starts. AGG's rare-token threshold
-# does not depend on the batch size (--agg-threshold-mode auto, docs/agg.md): changing the GPU
-# count does not change which tokens are rare.
+# GPUs and batch size: tokens per update = GPUs x --max-tokens x --update-freq, GPUs = M x N.
+# The paper: 1 x 4096 x 8 = 32,768 tokens per update (4 samples of 1,024 tokens x 8). M x N GPUs
+# keep that product: --update-freq 8 / (M x N) when M x N divides 8, and beyond 8 GPUs a smaller
+# --max-tokens as well (16 GPUs: 2048 x 1; 32: 1024 x 1); a GPU count whose share of 32,768 is not
+# a whole number of 1,024-token samples (3, 5, 6, ... or more than 32) is an error unless
+# --update-freq K chooses the batch (then --max-tokens stays 4096). The script prints the product
+# before it starts. AGG's rare-token threshold does not depend on the batch size
+# (--agg-threshold-mode auto, docs/agg.md), and its counts are summed over all GPUs of all
+# machines (docs/usage.md): changing the GPU count does not change which tokens are rare.
+#
+# Launchers. torchrun: run the printed command on every machine (it needs --rdzv-endpoint on
+# several); fairseq reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (env://) and picks the GPU
+# RANK mod the GPUs it sees (it does not read LOCAL_RANK), so N should be the machine's GPU count.
+# slurm: `train.sh METHOD --nodes M --gpus N --launcher slurm --dry-run > job.sh; sbatch job.sh`
+# runs one task per GPU (srun); fairseq reads SLURM_STEP_NODELIST, SLURM_PROCID and SLURM_LOCALID.
+# A single machine with fewer GPUs than --gpus is a warning, not an error: the command may be for
+# another machine.
 #
 # Hyper-parameters are the AGG paper's LM runs: transformer_lm_gpt2_small (24 layers, d 1024,
 # FFN 4096, 16 heads, dropout 0.1) with tied embeddings, Adam (0.9, 0.98), lr 7e-4, inverse_sqrt
@@ -34,15 +52,16 @@
 #
 # Environment: DATA_BIN (default data/wikitext103/data-bin), SAVE_DIR (default
 # checkpoints/wikitext103/METHOD), EMBED_STATS_INTERVAL (log TEV / mean cosine every N updates;
-# baseline then uses cross_entropy_with_stats), DRY_RUN=1 prints the command.
+# baseline then uses cross_entropy_with_stats), DRY_RUN=1 (as --dry-run).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=../common.sh
 source "$here/../common.sh"  # root, py, bindir, die, parse_flags and the train.sh helpers
 
-gpus=1; update_freq=""
-parse_flags "@ --gpus=gpus --update-freq=update_freq --" "$@"
+nodes=1; gpus=1; update_freq=""; launcher=""; rdzv_endpoint=""; distributed_port=""; dry_run=0
+parse_flags "@ --nodes=nodes --gpus=gpus --update-freq=update_freq --launcher=launcher --rdzv-endpoint=rdzv_endpoint
+  --distributed-port=distributed_port --dry-run=!dry_run --" "$@"
 read_method
 [[ ${#positional[@]} -le 1 ]] || die "unexpected argument '${positional[1]}' (see --help; fairseq flags go after --)"
 train_settings "$root/data/wikitext103/data-bin" "$root/checkpoints/wikitext103/$method" dict.txt \
@@ -51,8 +70,9 @@ train_settings "$root/data/wikitext103/data-bin" "$root/checkpoints/wikitext103/
 arch=transformer_lm_gpt2_small
 [[ "$method" == *mlra* ]] && arch=transformer_lm_mlra_gpt2_small
 method_criterion cross_entropy 0.03
+check_launch
+batch_settings 4096 8 1024  # a micro-batch holds whole 1,024-token samples
 gpu_precision
-batch_settings 4096 8
 
 run_train "$bindir/fairseq-train" "$data" --user-dir "$root/fairseq_agg" \
   --task language_modeling --arch "$arch" --share-decoder-input-output-embed \

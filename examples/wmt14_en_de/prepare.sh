@@ -7,9 +7,11 @@
 #   --raw-dir DIR             use already-downloaded files instead of the network (none: download
 #                             into OUT/orig)
 #   --out DIR                 where everything goes (data/wmt14_en_de)
-#   --vocab-size N            joint sentencepiece BPE vocabulary, >= 100 (32000)
-#   --news-commentary v12|v9  v12 as in the AGG paper's --icml17 setup, v9 as in fairseq's
-#                             default WMT14 setup (v12)
+#   --vocab-size N            joint sentencepiece BPE vocabulary, >= 100 (37000, the AGG paper's
+#                             joint BPE size, as Vaswani et al.'s)
+#   --news-commentary v9|v12  v9: WMT14's own data, the AGG paper's (fairseq's
+#                             prepare-wmt14en2de.sh --icml17); v12: the WMT17 release, fairseq's
+#                             default (v9)
 #   --workers N               fairseq-preprocess workers (the number of CPUs)
 #   --spm-sentences N         training sentences sampled for sentencepiece (10000000)
 #   -h, --help                this help
@@ -21,8 +23,8 @@
 # pairs (1..250 pieces, length ratio <= 1.5), fairseq-preprocess --joined-dictionary.
 #
 # --raw-dir DIR (searched recursively) must contain the extracted corpora
-# `europarl-v7.de-en.{en,de}`, `commoncrawl.de-en.{en,de}`, `news-commentary-v12.de-en.{en,de}`
-# (or -v9) and plain-text `newstest2013.{en,de}` and `newstest2014.{en,de}` (one sentence per
+# `europarl-v7.de-en.{en,de}`, `commoncrawl.de-en.{en,de}`, `news-commentary-v9.de-en.{en,de}`
+# (or -v12) and plain-text `newstest2013.{en,de}` and `newstest2014.{en,de}` (one sentence per
 # line, as `sacrebleu -t wmt14/full -l en-de --echo src` prints them). .tgz archives in DIR are
 # extracted.
 #
@@ -36,8 +38,8 @@ source "$here/../common.sh"  # root, py, bindir, textprep, die, parse_flags, nee
 
 raw_dir=""
 out="$root/data/wmt14_en_de"
-vocab=32000
-nc=v12
+vocab=37000
+nc=v9
 workers="$(nproc 2>/dev/null || echo 1)"
 spm_sentences=10000000
 
@@ -45,7 +47,7 @@ parse_flags "--raw-dir=raw_dir --out=out --vocab-size=vocab --news-commentary=nc
   --spm-sentences=spm_sentences" "$@"
 
 need_int --vocab-size "$vocab" 100
-[[ "$nc" == v12 || "$nc" == v9 ]] || die "--news-commentary must be v12 or v9, got '$nc'"
+[[ "$nc" == v12 || "$nc" == v9 ]] || die "--news-commentary must be v9 or v12, got '$nc'"
 need_int --workers "$workers" 1
 need_int --spm-sentences "$spm_sentences" 1
 

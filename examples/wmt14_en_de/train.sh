@@ -9,44 +9,65 @@
 #         agg+aug    AGG gating and the augmented loss in one criterion
 #         mlra       label-smoothed CE on the MLRA transformer (low-rank Q/K/V)
 #         agg+mlra   AGG on the MLRA transformer
-# base|big: transformer_wmt_en_de (default) or transformer_vaswani_wmt_en_de_big (the MLRA
-#         methods: transformer_mlra_wmt_en_de / transformer_mlra_vaswani_wmt_en_de_big).
+# base|big: transformer_wmt_en_de (default) or transformer_wmt_en_de_big, the AGG paper's archs
+#         (the big one is transformer_vaswani_wmt_en_de_big with attention dropout 0.1); the
+#         MLRA methods: transformer_mlra_wmt_en_de / transformer_mlra_vaswani_wmt_en_de_big with
+#         --attention-dropout 0.1.
 #
 # Flags (default):
-#   --gpus N              GPUs to train on, one process each (1); fairseq-train gets
-#                         --distributed-world-size N
-#   --update-freq K       gradient accumulation steps (8 / --gpus; --gpus must divide 8 unless
-#                         K is given)
-#   --keep-last-epochs N  epoch checkpoints kept, 0 = all (10; evaluate.sh averages the last 5)
-#   -h, --help            this help
+#   --nodes M               machines to train on (1)
+#   --gpus N                GPUs per machine, one process each (1); fairseq-train gets
+#                           --distributed-world-size M x N
+#   --update-freq K         gradient accumulation steps (chosen so that M x N GPUs keep the paper's
+#                           65,536 tokens per update; see below)
+#   --launcher NAME         fairseq (fairseq-train spawns the processes; one machine only), torchrun
+#                           or slurm (fairseq with --nodes 1, torchrun with more)
+#   --rdzv-endpoint H:P     torchrun's rendezvous, a host every machine reaches (localhost:29500 on
+#                           one machine; required on several)
+#   --distributed-port P    slurm: the port fairseq meets at on the first node (29500)
+#   --dry-run               print the command (slurm: an sbatch script) instead of running it (off)
+#   --keep-last-epochs N    epoch checkpoints kept, 0 = all (10; evaluate.sh averages the last 5)
+#   -h, --help              this help
 # Everything after -- goes to fairseq-train last, so it overrides the recipe's values
 # (e.g. -- --max-update 1000).
 #
-# GPUs and batch size: tokens per update = GPUs x --max-tokens x --update-freq. The recipe
-# assumes one GPU: 1 x 8192 x 8 = 65,536 tokens per update, the AGG paper's MT setting. --gpus N
-# keeps that product (update frequency 8 / N); --update-freq K sets another one. The script
-# prints the product before it starts. AGG's rare-token threshold does not depend on the batch
-# size (--agg-threshold-mode auto, docs/agg.md): changing the GPU count does not change which
-# tokens are rare.
+# GPUs and batch size: tokens per update = GPUs x --max-tokens x --update-freq, GPUs = M x N.
+# The paper: 1 x 8192 x 8 = 65,536 tokens per update (an upper bound: --max-tokens caps a
+# batch). M x N GPUs keep that product: --update-freq 8 / (M x N) when M x N divides 8, and beyond
+# 8 GPUs a smaller --max-tokens as well (16 GPUs: 4096 x 1; 64: 1024 x 1); a GPU count whose share
+# of 65,536 is not a whole multiple of 1,024 tokens (3, 5, 6, ... or more than 64) is an error
+# unless --update-freq K chooses the batch (then --max-tokens stays 8192). The script prints the
+# product before it starts. AGG's rare-token threshold does not depend on the batch size
+# (--agg-threshold-mode auto, docs/agg.md), and its counts are summed over all GPUs of all
+# machines (docs/usage.md): changing the GPU count does not change which tokens are rare.
 #
-# Hyper-parameters are the AGG paper's MT runs (its README): shared embeddings, Adam
-# (0.9, 0.98), lr 1e-3, inverse_sqrt with 4000 warm-up updates from 1e-7, weight decay 0.01,
-# dropout 0.3, no clipping, 200k updates, seed 1; --fp16 when a GPU is present. Checkpoints:
-# one per epoch (the last --keep-last-epochs kept) and one every 2000 updates (the last 10
-# kept), plus checkpoint_best.pt / checkpoint_last.pt.
+# Launchers. torchrun: run the printed command on every machine (it needs --rdzv-endpoint on
+# several); fairseq reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (env://) and picks the GPU
+# RANK mod the GPUs it sees (it does not read LOCAL_RANK), so N should be the machine's GPU count.
+# slurm: `train.sh METHOD --nodes M --gpus N --launcher slurm --dry-run > job.sh; sbatch job.sh`
+# runs one task per GPU (srun); fairseq reads SLURM_STEP_NODELIST, SLURM_PROCID and SLURM_LOCALID.
+# A single machine with fewer GPUs than --gpus is a warning, not an error: the command may be for
+# another machine.
+#
+# Hyper-parameters are the AGG paper's MT runs (its README): shared embeddings, label smoothing
+# 0.1, Adam (0.9, 0.98), lr 1e-3, inverse_sqrt with 4000 warm-up updates from 1e-7, weight decay
+# 0.01, dropout 0.3, no clipping, 200k updates, seed 1; --fp16 on GPUs. Checkpoints: one per
+# epoch (the last --keep-last-epochs kept) and one every 2000 updates (the last 10 kept), plus
+# checkpoint_best.pt / checkpoint_last.pt. What was checked against the paper and fairseq:
+# examples/wmt14_en_de/README.md.
 #
 # Environment: DATA_BIN (default data/wmt14_en_de/data-bin), SAVE_DIR (default
 # checkpoints/wmt14_en_de/METHOD-SIZE), EMBED_STATS_INTERVAL (log TEV / mean cosine every N
-# updates; baseline then uses label_smoothed_cross_entropy_with_stats), DRY_RUN=1 prints the
-# command instead of running it.
+# updates; baseline then uses label_smoothed_cross_entropy_with_stats), DRY_RUN=1 (as --dry-run).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=../common.sh
 source "$here/../common.sh"  # root, py, bindir, die, parse_flags and the train.sh helpers
 
-gpus=1; update_freq=""; keep_epochs=10
-parse_flags "@ --gpus=gpus --update-freq=update_freq --keep-last-epochs=keep_epochs --" "$@"
+nodes=1; gpus=1; update_freq=""; launcher=""; rdzv_endpoint=""; distributed_port=""; dry_run=0; keep_epochs=10
+parse_flags "@ --nodes=nodes --gpus=gpus --update-freq=update_freq --launcher=launcher --rdzv-endpoint=rdzv_endpoint
+  --distributed-port=distributed_port --dry-run=!dry_run --keep-last-epochs=keep_epochs --" "$@"
 read_method
 size="${positional[1]:-base}"
 [[ "$size" == base || "$size" == big ]] || die "the model size must be base or big, got '$size'"
@@ -55,20 +76,23 @@ need_int --keep-last-epochs "$keep_epochs" 0
 train_settings "$root/data/wmt14_en_de/data-bin" "$root/checkpoints/wmt14_en_de/$method-$size" dict.en.txt \
   examples/wmt14_en_de/prepare.sh
 
-arch=transformer_wmt_en_de
-[[ "$size" == big ]] && arch=transformer_vaswani_wmt_en_de_big
+arch=(--arch transformer_wmt_en_de)
+[[ "$size" == big ]] && arch=(--arch transformer_wmt_en_de_big)
 case "$method" in
-  *mlra*) if [[ "$size" == big ]]; then arch=transformer_mlra_vaswani_wmt_en_de_big; else arch=transformer_mlra_wmt_en_de; fi ;;
+  *mlra*)  # no MLRA twin of transformer_wmt_en_de_big: its attention dropout is passed instead
+    if [[ "$size" == big ]]; then arch=(--arch transformer_mlra_vaswani_wmt_en_de_big --attention-dropout 0.1)
+    else arch=(--arch transformer_mlra_wmt_en_de); fi ;;
 esac
 method_criterion label_smoothed_cross_entropy 0.08 --label-smoothing 0.1
+check_launch
+batch_settings 8192 8 1024  # 1,024 tokens still hold 4 of the longest (250-piece) training sentences
 gpu_precision
-batch_settings 8192 8
 keep=()
 (( keep_epochs > 0 )) && keep=(--keep-last-epochs "$keep_epochs")
 
 run_train "$bindir/fairseq-train" "$data" --user-dir "$root/fairseq_agg" \
   --task translation --source-lang en --target-lang de \
-  --arch "$arch" --share-all-embeddings \
+  "${arch[@]}" --share-all-embeddings \
   "${crit[@]}" \
   --optimizer adam --adam-betas "(0.9, 0.98)" --clip-norm 0.0 --weight-decay 0.01 \
   --lr 1e-3 --lr-scheduler inverse_sqrt --warmup-updates 4000 --warmup-init-lr 1e-07 --stop-min-lr 1e-09 \

@@ -12,11 +12,14 @@ Table 1. With ``--word-sim FILE ...`` it also reports word similarity (Spearman'
 embedding cosines and human scores, :mod:`~fairseq_agg.analysis.word_similarity`) of every matrix.
 Several checkpoints give one comparison table and overlaid figures.
 
-Outputs in ``--out`` (default ``analysis``; checked before any work, each file written under a
-temporary name and renamed when complete): ``report.json``, ``table.md`` (also printed),
+Outputs in ``--out`` (default ``analysis``): ``report.json``, ``table.md`` (also printed),
 ``spectrum.png`` (singular values of every matrix, overlaid) and ``projection.png`` (the output
 embedding of each checkpoint projected on its top two right-singular directions, coloured by
-frequency group: a degenerate "narrow cone" vs an isotropic cloud).
+frequency group: a degenerate "narrow cone" vs an isotropic cloud). ``--out`` is checked before any
+work; the report is built in ``.DIR.new-<pid>.tmp`` beside it and replaces it as a whole only when
+complete (:func:`~fairseq_agg.files.atomic_directory`), so ``--out`` holds the previous report or
+the new one, never a mix (the figures of a previous report do not survive a ``--no-figures`` run);
+other files in it are carried over.
 
 The steps live in their own modules: :mod:`~fairseq_agg.analysis.checkpoints` (loading),
 :mod:`~fairseq_agg.analysis.perplexity` (reusable: ``per_group_perplexity`` for a checkpoint path,
@@ -90,7 +93,7 @@ from typing import Dict, List, NamedTuple, Optional
 import torch
 
 from fairseq_agg.errors import UsageError
-from fairseq_agg.files import atomic_output, check_output_directory
+from fairseq_agg.files import atomic_directory, check_output_directory, irregular_file_kind
 from fairseq_agg.stats import groups as G
 from fairseq_agg.stats.matrices import EMBEDDING_PARAMS, EmbeddingMatrix, dictionary_for, distinct_matrices, matrix_rows
 from fairseq_agg.stats.metrics import ISOTROPY_FORMS, embedding_spectrum, isotropy, mean_pairwise_cosine, tev_stats
@@ -355,31 +358,35 @@ def _word_sim_inputs(word_sim, word_sim_spm):
     return datasets, spm
 
 
+FIGURE_FILES = ("spectrum.png", "projection.png")
+# every file a report may hold: a new report replaces all of them (an older report's figures do not
+# survive a --no-figures run), while the other entries of --out are carried over
+REPORT_FILES = FIGURE_FILES + ("report.json", "table.md")
+
+
 def output_paths(out, figures=True) -> Dict[str, str]:
     """name -> path of every file the command writes in ``out``."""
-    names = (["spectrum.png", "projection.png"] if figures else []) + ["report.json", "table.md"]
+    names = REPORT_FILES if figures else REPORT_FILES[len(FIGURE_FILES):]
     return OrderedDict((name, os.path.join(out, name)) for name in names)
 
 
 def write_outputs(report, spectra, panels, out, figures, max_points, inputs=()):
-    """report.json, table.md and (with ``figures``) the two PNG files in ``out``, each written under
-    a temporary name and renamed when complete; returns their paths."""
-    try:
-        os.makedirs(out, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"--out {out}: cannot create the directory ({e.strerror})") from None
-    paths = output_paths(out, figures)
-    if figures:
-        with atomic_output(paths["spectrum.png"], inputs=inputs, flag="--out") as handle:
-            plot_spectrum(spectra, handle)
-        with atomic_output(paths["projection.png"], inputs=inputs, flag="--out") as handle:
-            plot_projection(panels, handle, max_points=max_points)
-        report["figures"] = {"spectrum": "spectrum.png", "projection": "projection.png"}
-    with atomic_output(paths["report.json"], inputs=inputs, flag="--out") as handle:
-        handle.write(json.dumps(report, indent=1, allow_nan=False).encode("utf-8"))
-    with atomic_output(paths["table.md"], inputs=inputs, flag="--out") as handle:
-        handle.write(table_markdown(report["table"]).encode("utf-8"))
-    return list(paths.values())
+    """report.json, table.md and (with ``figures``) the two PNG files, built in a new directory
+    beside ``out`` that replaces ``out`` as a whole once all are complete
+    (:func:`~fairseq_agg.files.atomic_directory`); returns their paths in ``out``."""
+    with atomic_directory(out, names=REPORT_FILES, inputs=inputs, flag="--out") as building:
+        paths = output_paths(building, figures)
+        if figures:
+            with open(paths["spectrum.png"], "wb") as handle:
+                plot_spectrum(spectra, handle)
+            with open(paths["projection.png"], "wb") as handle:
+                plot_projection(panels, handle, max_points=max_points)
+            report["figures"] = {"spectrum": "spectrum.png", "projection": "projection.png"}
+        with open(paths["report.json"], "wb") as handle:
+            handle.write(json.dumps(report, indent=1, allow_nan=False).encode("utf-8"))
+        with open(paths["table.md"], "wb") as handle:
+            handle.write(table_markdown(report["table"]).encode("utf-8"))
+    return list(output_paths(out, figures).values())
 
 
 def analyze(paths, data=None, split="valid", out="analysis", labels=None, rows_policy="no-pad-madeup",
@@ -390,7 +397,7 @@ def analyze(paths, data=None, split="valid", out="analysis", labels=None, rows_p
     fractions = _check_options(data, rows_policy, fractions)
     word_sim = [word_sim] if isinstance(word_sim, str) else list(word_sim or [])
     inputs = list(paths) + word_sim + ([word_sim_spm] if word_sim_spm else [])
-    check_output_directory(out, names=list(output_paths(out, figures)), inputs=inputs, flag="--out")
+    check_output_directory(out, names=REPORT_FILES, inputs=inputs, flag="--out")
     word_sim_sets, word_sim_model = _word_sim_inputs(word_sim, word_sim_spm)
     device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     labels = _labels(paths, labels)
@@ -400,6 +407,9 @@ def analyze(paths, data=None, split="valid", out="analysis", labels=None, rows_p
                            "pass --data DATA_BIN (without --no-ppl)")
     for path in paths:  # fail on any missing path before any work
         check_checkpoint_path(path)
+        kind = irregular_file_kind(path)
+        if kind is not None:  # torch.load would wait on a FIFO forever
+            raise AnalyzeError(f"{path}: not a regular file ({kind}); pass a checkpoint file")
     states = []
     for i, path in enumerate(paths, 1):  # and on any unreadable one before the analysis
         logger.info("loading checkpoint %d/%d: %s", i, len(paths), path)

@@ -11,6 +11,10 @@ import logging
 import math
 from collections import OrderedDict
 
+import torch
+
+from fairseq_agg.stats.metrics import SIGN_TIE_RTOL
+
 GROUP_COLOURS = {"freq": "tab:blue", "med": "tab:orange", "rare": "tab:red"}
 GROUP_LABELS = {"freq": "frequent", "med": "medium", "rare": "rare", "all": "all rows"}
 COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray",
@@ -77,31 +81,59 @@ def plot_spectrum(entries, path):
     return save_figure(fig, path)
 
 
+def projection_directions(spec):
+    """The top two right-singular directions of ``spec`` (rows), each turned towards the mean row
+    (the direction the cone points to, the rule of ``isotropy_fixed``), so that panels of different
+    checkpoints do not mirror each other; one orthogonal to the mean keeps its canonical sign."""
+    top2 = spec.directions[:2]
+    along = top2 @ spec.mean.to(top2.dtype)
+    away = along < -SIGN_TIE_RTOL * float(spec.mean.norm())
+    return top2 * torch.where(away, -1.0, 1.0).to(top2.dtype).unsqueeze(1)
+
+
+def _limits(values, margin=0.05):
+    low, high = min(values), max(values)
+    pad = margin * (high - low) or 1.0
+    return low - pad, high + pad
+
+
 def plot_projection(panels, path, max_points=3000):
     """panels: [(title, W, rows, spectrum, {group: rows})], one per checkpoint -> PATH: W's rows
-    projected on the top two right-singular directions of W[rows], coloured by frequency group, at
-    most ``max_points`` rows a group (evenly spaced, deterministic); all panels on the same axes;
-    returns the Figure."""
+    projected on the top two right-singular directions of W[rows] (:func:`projection_directions`),
+    coloured by frequency group, at most ``max_points`` rows a group (evenly spaced,
+    deterministic); all panels on the same axes, equal in scale on both, each panel as tall as that
+    makes it; returns the Figure."""
     plt = pyplot()
     n = len(panels)
-    nrows = math.ceil(n / PROJECTION_COLUMNS)
-    ncols = math.ceil(n / nrows)  # rows as full as possible: 5 panels are 3 + 2, not 4 + 1
-    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols + 1.3, 3.6 * nrows + 0.3), sharex=True, sharey=True,
-                             squeeze=False, layout="constrained")
-    for k, ax in enumerate(axes.flat):
-        if k >= n:
-            ax.set_visible(False)
-            continue
-        title, W, rows, spec, group_rows = panels[k]
-        top2 = spec.directions[:2]  # top two right-singular directions (uncentred, as the AGG figure)
+    projected = []  # per panel: [(group, points)]
+    for title, W, rows, spec, group_rows in panels:
+        top2 = projection_directions(spec)
+        shown = []
         for g, r in (group_rows or OrderedDict([("all", rows)])).items():
             if r.numel() == 0:
                 continue
             step = max(1, math.ceil(r.numel() / max_points))
-            pts = (W.index_select(0, r[::step]).double() @ top2.t()).cpu()
+            shown.append((g, (W.index_select(0, r[::step]).double() @ top2.t()).cpu()))
+        projected.append(shown)
+    points = [pts for shown in projected for _, pts in shown]
+    xlim = _limits([float(v) for pts in points for v in (pts[:, 0].min(), pts[:, 0].max())] or [0.0])
+    ylim = _limits([float(v) for pts in points for v in (pts[:, 1].min(), pts[:, 1].max())] or [0.0])
+    # equal scales on shared axes fix each panel's shape: size the rows to it, so that a wide cloud
+    # leaves no empty band between the rows
+    ratio = min(4.0, max(0.25, (ylim[1] - ylim[0]) / (xlim[1] - xlim[0])))
+    width = 3.6 if ratio <= 1 else 3.6 / ratio
+    nrows = math.ceil(n / PROJECTION_COLUMNS)
+    ncols = math.ceil(n / nrows)  # rows as full as possible: 5 panels are 3 + 2, not 4 + 1
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols + 1.6, (width * ratio + 0.45) * nrows + 0.7),
+                             sharex=True, sharey=True, squeeze=False, layout="constrained")
+    for k, ax in enumerate(axes.flat):
+        if k >= n:
+            ax.set_visible(False)
+            continue
+        for g, pts in projected[k]:
             ax.scatter(pts[:, 0], pts[:, 1], s=3, alpha=0.5, linewidths=0, label=GROUP_LABELS.get(g, g),
                        color=GROUP_COLOURS.get(g, "tab:gray"), rasterized=True)
-        ax.set_title(title, fontsize=9)
+        ax.set_title(panels[k][0], fontsize=9)
         # shared axes: axis labels on the left column and under the lowest panel of each column
         if k + ncols >= n:
             ax.set_xlabel(r"projection on $v_1$")
@@ -110,6 +142,8 @@ def plot_projection(panels, path, max_points=3000):
             ax.set_ylabel(r"projection on $v_2$")
         ax.axhline(0, color="k", lw=0.3)
         ax.axvline(0, color="k", lw=0.3)
+        ax.set_xlim(*xlim)
+        ax.set_ylim(*ylim)
         ax.set_aspect("equal", adjustable="box")
     handles, labels = axes.flat[0].get_legend_handles_labels()
     if handles:
@@ -117,5 +151,6 @@ def plot_projection(panels, path, max_points=3000):
                             fontsize="small")
         for h in legend.legend_handles:
             h.set_alpha(1)
-    fig.suptitle(r"rows of W on its top two right-singular vectors $v_1, v_2$", fontsize=10)
+    fig.suptitle(r"rows of W on its top two right-singular vectors $v_1, v_2$, each turned towards the mean row",
+                 fontsize=10)
     return save_figure(fig, path)

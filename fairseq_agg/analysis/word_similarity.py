@@ -25,6 +25,7 @@ import torch
 
 from fairseq_agg.errors import UsageError
 from fairseq_agg.fairseq_facts.dictionary import madeupword_ids, nspecial
+from fairseq_agg.files import irregular_file_kind
 from fairseq_agg.stats.matrices import dictionary_for
 
 logger = logging.getLogger(__name__)
@@ -101,11 +102,19 @@ def parse_word_pairs(lines: Iterable[str], source: str) -> List[Tuple[str, str, 
     return pairs
 
 
+def check_input_file(path: str):
+    """Refuses a path that is no regular file, saying what it is (a FIFO would block the read)."""
+    kind = irregular_file_kind(path)
+    if kind is not None:
+        raise WordSimFileError(f"{path}: not a regular file ({kind})")
+    if not os.path.isfile(path):
+        raise WordSimFileError(f"{path}: no such file")
+
+
 def read_word_pairs(path: str) -> WordPairs:
     """The pairs of a word-similarity file (UTF-8, a byte-order mark allowed); errors name the
     file, and the line where there is one."""
-    if not os.path.isfile(path):
-        raise WordSimFileError(f"{path}: no such file")
+    check_input_file(path)
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -335,8 +344,7 @@ def matrix_word_similarity(W: torch.Tensor, dictionary, pairs: Sequence[Tuple[st
 
 def load_spm(path: str):
     """A sentencepiece model for the subword pieces; :class:`WordSimFileError` naming the file."""
-    if not os.path.isfile(path):
-        raise WordSimFileError(f"{path}: no such file")
+    check_input_file(path)
     import sentencepiece
 
     try:

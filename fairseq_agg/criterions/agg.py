@@ -89,6 +89,11 @@ class AggCriterionConfig(AugmentedLossConfig):
         default=0,
         metadata={"help": "freeze during the first N updates only (>= 0; 0 = the whole run)"},
     )
+    agg_restart_counts: bool = field(
+        default=False,
+        metadata={"help": "start the window's counts empty instead of loading those of the checkpoint resumed or "
+                  "fine-tuned from (for a checkpoint whose counts are missing or refused as damaged)"},
+    )
 
 
 @register_criterion("cross_entropy_agg", dataclass=AggCriterionConfig)
@@ -116,7 +121,7 @@ class AggCriterion(OutputLossCriterion):
         self.freezing = freezing if cfg.agg_freeze_rare else None
         self.augmented = augmented_loss_from_config(cfg, self.dictionary)
         self.refuse_output_kernel(teacher=self.augmented.fused_teacher)
-        self.keep_in_checkpoints(window=self.agg.counter)  # the window travels with every checkpoint
+        self.keep_in_checkpoints("agg_restart_counts", window=self.agg.counter)  # the window travels with every checkpoint
         # public, for inspection: the gates of the latest training micro-batch (None after validation)
         self.last_gates = None
         self._threshold_logged = self._operating_point_logged = False

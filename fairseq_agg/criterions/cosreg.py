@@ -45,8 +45,8 @@ class CosRegConfig(OutputLossConfig):
     )
     cosreg_matrix: ChoiceEnum(list(MATRICES)) = field(
         default="output",
-        metadata={"help": "matrix regularised: output projection (the shared matrix when tied), decoder "
-                  "input embedding, or both (each distinct matrix once)"},
+        metadata={"help": "matrix regularised: output = the output projection (the shared matrix when tied), "
+                  "input = the decoder input embedding, both = each distinct matrix of the two once"},
     )
 
 

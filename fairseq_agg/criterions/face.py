@@ -51,6 +51,11 @@ class FaceConfig(OutputLossConfig):
         metadata={"help": "count the end-of-sentence token too (the paper-era code; the released code "
                   "never counts it)"},
     )
+    face_restart_counts: bool = field(
+        default=False,
+        metadata={"help": "start the counts empty instead of loading those of the checkpoint resumed or fine-tuned "
+                  "from (for a checkpoint whose counts are missing, refused as damaged, or of another --face-counting)"},
+    )
 
 
 @register_criterion("cross_entropy_face", dataclass=FaceConfig)
@@ -65,7 +70,7 @@ class FaceCriterion(OutputLossCriterion):
             uncounted_id=None if cfg.face_count_eos else self.dictionary.eos(), process_group=data_parallel_group(),
         )
         self.refuse_output_kernel(row_weights=True, argmax=self.face.frequency == "out")
-        self.keep_in_checkpoints(counter=self.face.counter)  # the counts travel with every checkpoint
+        self.keep_in_checkpoints("face_restart_counts", counter=self.face.counter)  # the counts travel with every checkpoint
 
     def on_epoch_batches(self, batches_per_epoch):
         if self.face.counting == "window":

@@ -27,6 +27,7 @@ from fairseq.dataclass import ChoiceEnum
 from omegaconf import II
 
 from fairseq_agg.errors import UsageError, check_choice, check_integer, check_number, flag_name, plain_value
+from fairseq_agg.fairseq_facts.checkpoint_files import last_loaded_checkpoint
 from fairseq_agg.fairseq_facts.checkpoint_state import anchor_criterion_state, anchored, holds_criterion_state
 from fairseq_agg.fairseq_facts.training_loop import TrainingLoop, updates_per_epoch
 from fairseq_agg.ops import LossRequest, LossResult
@@ -165,6 +166,7 @@ class OutputLossCriterion(FairseqCriterion):
                                  on_begin_epoch=lambda epoch, model: self.check_model(model))
         self.embedding_stats = EmbeddingStats(cfg, task, self.loop)
         self.state_names = ()  # submodules whose counts travel with the checkpoints
+        self.restart_flag = None  # the boolean flag that starts them empty instead of loading them
         self._model_checked = False
         self._state_size_reported = False
         self._kernel_logged = False
@@ -196,11 +198,13 @@ class OutputLossCriterion(FairseqCriterion):
         return weight
 
     # --- counts in checkpoints
-    def keep_in_checkpoints(self, **counters):
-        """Registers counters (modules with ``nbytes``) whose state travels with every checkpoint."""
+    def keep_in_checkpoints(self, restart_flag: str, **counters):
+        """Registers counters (modules with ``nbytes``) whose state travels with every checkpoint;
+        ``restart_flag`` names the config's boolean flag that starts them empty on load instead."""
         for name, counter in counters.items():
             setattr(self, name, counter)
         self.state_names = tuple(counters)
+        self.restart_flag = restart_flag
         anchor_criterion_state(self)
         self.report_state_size()
 
@@ -223,10 +227,32 @@ class OutputLossCriterion(FairseqCriterion):
             self.report_state_size()
 
     def load_state_dict(self, state_dict, strict=True, **kwargs):
-        if self.state_names and not holds_criterion_state(state_dict, self.state_names):
+        """The counts of a checkpoint, checked before anything is loaded (fairseq calls this before
+        the first update): damaged counts, or a checkpoint of this criterion without them, are a
+        UsageError naming the checkpoint; another criterion's checkpoint starts them empty."""
+        if not self.state_names:
+            return super().load_state_dict(state_dict, strict=strict, **kwargs)
+        loaded = last_loaded_checkpoint()
+        source = f"checkpoint {loaded.path}" if loaded else "the checkpoint"
+        restart = flag_name(self.restart_flag)
+        if getattr(self.cfg, self.restart_flag):
+            logger.info(f"{restart}: the counts of {self.name} start empty ({source}'s are not loaded)")
+            return None
+        if not holds_criterion_state(state_dict, self.state_names):
+            # A checkpoint of this criterion always holds its counts; the checkpoint loaded last may
+            # be another file than this state's only where the state holds another criterion's entries.
+            own = {name for name, _ in self.named_parameters()}
+            foreign = set(state_dict or ()) - own
+            if loaded is not None and loaded.criterion == self.name and not foreign:
+                raise UsageError(f"{source} was written by {self.name} but holds none of its counts "
+                                 f"({', '.join(n + '.*' for n in self.state_names)}): {restart} starts them empty")
             logger.info(f"the checkpoint has no counts of {self.name} (written by another criterion): they start empty")
             return None
-        return super().load_state_dict(state_dict, strict=strict, **kwargs)
+        try:
+            return super().load_state_dict(state_dict, strict=strict, **kwargs)
+        except UsageError as error:
+            raise UsageError(f"{source}: the counts of {self.name} fail a check: {error}; {restart} starts them "
+                             "empty instead") from None
 
     # --- one forward
     def output_batch(self, model, sample) -> OutputBatch:

@@ -24,7 +24,7 @@ class MLRAConfig(FairseqDataclass):
         default=None,
         metadata={
             "help": "MLRA (Chung et al., 2024, stability; not the KV-sharding MLRA) rank r of each "
-            "factorised attention projection. Default: embed_dim/4 (shared) or head_dim/2 "
+            "factorised attention projection; unset: embed_dim/4 (shared) or head_dim/2 "
             "(per_head). Allowed: 1 <= r <= embed_dim (shared), 1 <= r <= head_dim (per_head)"
         },
     )

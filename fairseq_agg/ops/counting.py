@@ -5,11 +5,13 @@ Both counters have one interface: ``start_update(t)`` opens update t (1, 2, ...;
 with the same t is a no-op), ``add(histogram)`` adds a micro-batch's histogram to it, ``counts``
 (length V, int64) is what the method reads, ``nbytes`` what the counter adds to each checkpoint.
 Both save and restore themselves through ``state_dict``, so a resumed run continues with the
-same counts. :func:`target_histogram` is the one place ids become a histogram (summed over
+same counts; a saved state is checked before it is loaded (:func:`check_window_state`,
+:func:`check_cumulative_state`), so a damaged checkpoint is refused in one line instead of failing
+at a later update. :func:`target_histogram` is the one place ids become a histogram (summed over
 data-parallel ranks when asked).
 """
 import logging
-from typing import Optional
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -19,15 +21,20 @@ from fairseq_agg.errors import UsageError, check_integer, flag_name
 
 logger = logging.getLogger(__name__)
 
-# The window keeps window x V int32 counts in host memory and in every checkpoint; a window that
-# would need more than this is refused (at V = 50,000: 42,949 updates).
+# The window keeps window x V counts in host memory and in every checkpoint, one byte each: a
+# token's count in one update is stored in a uint8 ring, and the few counts of 255 or more (the
+# most frequent tokens of large updates: a few dozen per update at the AGG paper's 32k tokens) in
+# an overflow table beside it, exactly. At the paper's shape this is about 4x smaller than the
+# int32 ring of the released code; the gates read the int64 running sum, so they do not change.
+SATURATED = 255  # a ring entry of 255 means: the count is in the overflow table
+
+# A window whose ring would need more than this is refused (at V = 50,000: 171,798 updates).
 MAX_WINDOW_BYTES = 8 << 30
-_RING_BYTES_PER_ENTRY = 4  # int32
 
 
 def max_window(vocab_size: int) -> int:
     """The largest window (in updates) whose ring fits in :data:`MAX_WINDOW_BYTES`."""
-    return max(1, MAX_WINDOW_BYTES // (_RING_BYTES_PER_ENTRY * max(int(vocab_size), 1)))
+    return max(1, MAX_WINDOW_BYTES // max(int(vocab_size), 1))
 
 
 def check_window(flag: str, window, vocab_size: int) -> int:
@@ -36,7 +43,7 @@ def check_window(flag: str, window, vocab_size: int) -> int:
     bound = max_window(vocab_size)
     if window > bound:
         raise UsageError(
-            f"{flag_name(flag)} must be <= {bound}, got {window}: a window of K updates keeps K x V int32 counts "
+            f"{flag_name(flag)} must be <= {bound}, got {window}: a window of K updates keeps K x V one-byte counts "
             f"(V = {vocab_size}) in host memory and in every checkpoint, at most {MAX_WINDOW_BYTES >> 30} GiB"
         )
     return window
@@ -62,9 +69,10 @@ class RareTokenWindow(torch.nn.Module):
     before the histograms of that update are added; calling it again with the same t (every
     micro-batch of one update, or a repeated index after an fp16 overflow) is a no-op.
 
-    Storage: the (window x V) ring of int32 rows stays in host memory (one row is touched per
-    update); the running sum and the current update's histogram live on the device of the
-    histograms. ``flag`` is the flag that sizes the window (named in errors and warnings).
+    Storage: the (window x V) uint8 ring stays in host memory (one row is touched per update); a
+    count of :data:`SATURATED` or more is stored as 255 in the ring and exactly in ``overflow``
+    ({row: (ids, counts)}). The running sum and the current update's histogram (int64) live on the
+    device of the histograms. ``flag`` is the flag that sizes the window (named in errors and warnings).
     """
 
     def __init__(self, vocab_size: int, window: Optional[int] = None, flag: str = "agg_window"):
@@ -72,7 +80,8 @@ class RareTokenWindow(torch.nn.Module):
         self.vocab_size = int(vocab_size)
         self.flag = flag
         self.window = None
-        self.ring = None  # (window, V) int32, CPU
+        self.ring = None  # (window, V) uint8, CPU
+        self.overflow = {}  # ring row -> (ids, exact counts), the entries of the row that read 255
         self.counts = torch.zeros(self.vocab_size, dtype=torch.int64)  # running window sum S
         self.current = torch.zeros(self.vocab_size, dtype=torch.int64)  # histogram of update `update_index`
         self.update_index = 0  # t of the update being counted (0 = none yet)
@@ -87,8 +96,9 @@ class RareTokenWindow(torch.nn.Module):
     @property
     def nbytes(self) -> int:
         """Bytes this window adds to a checkpoint (the ring, the running sum and the current update)."""
-        ring = 0 if self.ring is None else self.ring.numel() * _RING_BYTES_PER_ENTRY
-        return ring + 2 * 8 * self.vocab_size
+        ring = 0 if self.ring is None else self.ring.numel()
+        overflow = 3 * 8 * sum(ids.numel() for ids, _ in self.overflow.values())
+        return ring + overflow + 2 * 8 * self.vocab_size
 
     def set_window(self, window: int):
         window = check_window(self.flag, window, self.vocab_size)
@@ -97,7 +107,7 @@ class RareTokenWindow(torch.nn.Module):
                 raise ValueError(f"window already set to {self.ring.size(0)} updates, cannot change it to {window}")
             return
         self.window = window
-        self.ring = torch.zeros(self.window, self.vocab_size, dtype=torch.int32)
+        self.ring = torch.zeros(self.window, self.vocab_size, dtype=torch.uint8)
 
     def _slot(self, t: int) -> int:
         return t % self.window
@@ -114,11 +124,14 @@ class RareTokenWindow(torch.nn.Module):
             self.set_window(window)
             return
         t = self.update_index
-        ring = torch.zeros(window, self.vocab_size, dtype=torch.int32)
+        ring = torch.zeros(window, self.vocab_size, dtype=torch.uint8)
+        overflow = {}
         for s in range(max(t - min(window, self.window) + 1, 1), t):  # finished updates kept
             ring[s % window] = self.ring[self._slot(s)]
-        self.ring, self.window = ring, window
-        self.counts = ring.sum(0).to(self.counts.device, torch.int64) + self.current
+            if self._slot(s) in self.overflow:
+                overflow[s % window] = self.overflow[self._slot(s)]
+        self.ring, self.overflow, self.window = ring, overflow, window
+        self.counts = ring_totals(ring, overflow)[0].to(self.counts.device) + self.current
         self.recorded = min(self.recorded, self.window)
 
     def start_update(self, t: int):
@@ -128,20 +141,39 @@ class RareTokenWindow(torch.nn.Module):
         if t == self.update_index:
             return
         if self.update_index > 0:  # commit the finished update to its ring row
-            self.ring[self._slot(self.update_index)] = self.current.to("cpu", torch.int32)
+            self.commit(self.current.to("cpu"))
         # Normally t = update_index + 1; a jump (or a restart from 0) drops every slot it passes.
         steps = t - self.update_index if t > self.update_index else 1
         for s in range(max(t - min(steps, self.window) + 1, 1), t + 1):
-            old = self.ring[self._slot(s)]
-            if old.any():
-                self.counts -= old.to(self.counts.device, torch.int64)
-            old.zero_()
+            if self.ring[self._slot(s)].any():
+                self.counts -= self.row_counts(self._slot(s)).to(self.counts.device)
+            self.ring[self._slot(s)].zero_()
+            self.overflow.pop(self._slot(s), None)
         self.current.zero_()
         # The denominator counts updates since the first one this window saw (a run that starts,
         # or fine-tunes from a checkpoint without counts, at update 5001 has recorded 1, not K).
         first = self.update_index == 0 and self.recorded == 0
         self.update_index = t
         self.recorded = 1 if first else min(self.recorded + steps, self.window)
+
+    def commit(self, finished: torch.Tensor):
+        """Stores the finished update's counts (int64, CPU) in its ring row: 255 and above go to
+        the overflow table."""
+        slot = self._slot(self.update_index)
+        self.ring[slot] = finished.clamp(max=SATURATED).to(torch.uint8)
+        large = finished.ge(SATURATED).nonzero().squeeze(1)
+        if large.numel():
+            self.overflow[slot] = (large, finished[large].clone())
+        else:
+            self.overflow.pop(slot, None)
+
+    def row_counts(self, slot: int) -> torch.Tensor:
+        """The exact counts (int64) of one ring row."""
+        row = self.ring[slot].to(torch.int64)
+        if slot in self.overflow:
+            ids, counts = self.overflow[slot]
+            row[ids] = counts
+        return row
 
     def add(self, histogram: torch.Tensor):
         """Adds one micro-batch's histogram (length V, integer) to the current update."""
@@ -154,32 +186,26 @@ class RareTokenWindow(torch.nn.Module):
 
     # --- checkpointing: the ring is not a registered buffer (it stays on the CPU), so the module
     # writes and reads its own entries.
-    _KEYS = ("ring", "counts", "current", "meta")
+    _KEYS = ("ring", "overflow", "counts", "current", "meta")
+    _KEYS_INT32 = ("ring", "counts", "current", "meta")  # the format before the one-byte ring
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         if self.ring is None:
             return
         destination[prefix + "ring"] = self.ring.clone()
+        destination[prefix + "overflow"] = overflow_table(self.overflow)
         destination[prefix + "counts"] = self.counts.detach().cpu().clone()
         destination[prefix + "current"] = self.current.detach().cpu().clone()
         destination[prefix + "meta"] = torch.tensor([self.window, self.update_index, self.recorded], dtype=torch.int64)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        present = [k for k in self._KEYS if prefix + k in state_dict]
-        if not present:
+        if not any(prefix + k in state_dict for k in self._KEYS):
             return  # a checkpoint without counts (e.g. from a stock criterion): start fresh
-        if len(present) != len(self._KEYS):
-            missing_keys.extend(prefix + k for k in self._KEYS if k not in present)
-            return
-        ring = state_dict[prefix + "ring"]
-        if ring.size(1) != self.vocab_size:
-            error_msgs.append(f"{prefix}ring has vocabulary size {ring.size(1)}, expected {self.vocab_size}")
-            return
-        window, update_index, recorded = (int(v) for v in state_dict[prefix + "meta"].tolist())
+        window, update_index, recorded = check_window_state(state_dict, self.vocab_size, prefix)
         configured_window = self.window  # this run's window flag (None: auto, the checkpoint's K stays)
         device = self.counts.device
         self.window = window
-        self.ring = ring.to("cpu", torch.int32).clone()
+        self.ring, self.overflow = saved_ring(state_dict, prefix)
         self.counts = state_dict[prefix + "counts"].to(device, torch.int64).clone()
         self.current = state_dict[prefix + "current"].to(device, torch.int64).clone()
         self.update_index = update_index
@@ -200,6 +226,7 @@ class CumulativeCounts(torch.nn.Module):
     """
 
     is_configured = True
+    _KEYS = ("counts",)
 
     def __init__(self, vocab_size: int):
         super().__init__()
@@ -217,6 +244,165 @@ class CumulativeCounts(torch.nn.Module):
         if self.counts.device != histogram.device:
             self.counts = self.counts.to(histogram.device)
         self.counts += histogram
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        check_cumulative_state(state_dict, self.counts.numel(), prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+# --- checking a saved state before it is loaded: every check below holds for each state the
+# counters write (whatever the history of updates, resizes and restarts), so a state that fails
+# one was damaged or edited.
+
+def counter_entries(state_dict: Mapping, prefix: str, keys: Sequence[str]) -> dict:
+    """The entries of one counter in ``state_dict`` (keys ``prefix + name``), by name; refuses a
+    set of names other than ``keys`` (some missing, or those of another kind of counter)."""
+    entries = {key[len(prefix):]: value for key, value in state_dict.items() if key.startswith(prefix)}
+    missing = [prefix + key for key in keys if key not in entries]
+    unexpected = [prefix + key for key in entries if key not in keys]
+    if missing or unexpected:
+        problems = ([f"{', '.join(missing)} missing"] if missing else []) + (
+            [f"{', '.join(unexpected)} not expected"] if unexpected else [])
+        raise UsageError(f"incomplete or foreign counts: {'; '.join(problems)} (expected "
+                         f"{', '.join(prefix + key for key in keys)})")
+    return entries
+
+
+def overflow_table(overflow: Dict[int, Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The overflow entries as one (n, 3) int64 tensor of (row, id, count), by row and id."""
+    rows = [torch.stack([torch.full_like(ids, slot), ids, counts], 1) for slot, (ids, counts) in sorted(overflow.items())]
+    return torch.cat(rows) if rows else torch.zeros(0, 3, dtype=torch.int64)
+
+
+def overflow_rows(table: torch.Tensor) -> Dict[int, Tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`overflow_table` read back: {row: (ids, counts)}."""
+    return {int(slot): (table[table[:, 0] == slot, 1].clone(), table[table[:, 0] == slot, 2].clone())
+            for slot in table[:, 0].unique().tolist()}
+
+
+def saved_ring(state_dict: Mapping, prefix: str = ""):
+    """The (uint8 ring, overflow rows) of a checked saved window; a checkpoint from before the
+    one-byte ring (an int32 ring, no overflow entry) is converted exactly."""
+    ring = state_dict[prefix + "ring"].to("cpu")
+    if prefix + "overflow" in state_dict:
+        return ring.clone(), overflow_rows(state_dict[prefix + "overflow"].to("cpu"))
+    overflow = {}
+    for slot in ring.ge(SATURATED).any(1).nonzero().squeeze(1).tolist():
+        ids = ring[slot].ge(SATURATED).nonzero().squeeze(1)
+        overflow[slot] = (ids, ring[slot, ids].to(torch.int64))
+    return ring.clamp(max=SATURATED).to(torch.uint8), overflow
+
+
+def _check_tensor(name: str, value, dtypes, shape: Optional[Tuple[int, ...]] = None):
+    """A saved tensor of a dtype the counters write (one, or a tuple of them) and of ``shape``,
+    with no negative entry (counts, and the window's metadata, are never negative)."""
+    dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
+    if not isinstance(value, torch.Tensor):
+        raise UsageError(f"{name} is a {type(value).__name__}, not a tensor")
+    if value.dtype not in dtypes:
+        raise UsageError(f"{name} has dtype {value.dtype}, expected {' or '.join(map(str, dtypes))}")
+    if shape is not None and tuple(value.shape) != tuple(shape):
+        raise UsageError(f"{name} has shape {tuple(value.shape)}, expected {tuple(shape)}")
+    if value.numel() and int(value.min()) < 0:
+        raise UsageError(f"{name} has negative entries ({int((value < 0).sum())} of {value.numel()})")
+
+
+def ring_totals(ring: torch.Tensor, overflow: Mapping) -> Tuple[torch.Tensor, int]:
+    """The exact column sums (int64) of a ring and its overflow rows, and its number of non-empty
+    rows, a few rows at a time: summing a ring at once makes an int64 copy of all of it."""
+    sums = torch.zeros(ring.size(1), dtype=torch.int64)
+    filled = 0
+    for rows in ring.split(64):
+        sums += rows.sum(0)
+        filled += int(rows.ne(0).any(1).sum())
+    for ids, counts in overflow.values():
+        sums.index_add_(0, ids, counts - SATURATED)
+    return sums, filled
+
+
+def _check_overflow(name: str, table, ring: torch.Tensor, ring_name: str):
+    """The overflow table: (row, id, count) entries inside the ring, each count >= 255, one per
+    ring entry that reads 255 and none elsewhere."""
+    _check_tensor(name, table, torch.int64)
+    if table.dim() != 2 or table.size(1) != 3:
+        raise UsageError(f"{name} has shape {tuple(table.shape)}, expected (entries, 3)")
+    rows, ids, counts = table.unbind(1)
+    if table.numel() and (int(rows.max()) >= ring.size(0) or int(ids.max()) >= ring.size(1)):
+        raise UsageError(f"{name} has entries outside {ring_name}'s {ring.size(0)} x {ring.size(1)} counts")
+    if table.numel() and int(counts.min()) < SATURATED:
+        raise UsageError(f"{name} holds a count below {SATURATED} (those are kept in {ring_name})")
+    marked = sum(int(part.eq(SATURATED).sum()) for part in ring.split(64))
+    distinct = (rows * ring.size(1) + ids).unique().numel()
+    if marked != table.size(0) or distinct != table.size(0) or not ring[rows, ids].eq(SATURATED).all():
+        raise UsageError(f"{name} does not list exactly the entries of {ring_name} that read {SATURATED}")
+
+
+def _check_vocabulary(name: str, size: int, vocab_size: int):
+    if size != vocab_size:
+        raise UsageError(f"{name} counts a vocabulary of {size} tokens, the dictionary has {vocab_size}")
+
+
+def check_window_state(state_dict: Mapping, vocab_size: int, prefix: str = "") -> Tuple[int, int, int]:
+    """Checks a saved :class:`RareTokenWindow` (``ring``, ``overflow``, ``counts``, ``current``,
+    ``meta`` under ``prefix``; or the int32 ``ring`` without ``overflow`` of earlier versions) against the dictionary and against itself; returns (window, update_index,
+    recorded). Raises :class:`UsageError` naming the entry and the failed check.
+
+    The checks are invariants of every state that :meth:`RareTokenWindow.start_update`,
+    :meth:`~RareTokenWindow.resize` and loading leave: the running sum is the ring plus the open
+    update; the ring row of the open update is empty (``start_update`` clears it); at most
+    ``recorded - 1`` rows hold counts (the finished updates in the window); nothing is counted
+    before the first update. Which rows those are is not checked: an update number that goes back
+    (fairseq restarts it at 0 on ``--finetune-from-model``) leaves counts outside the newest span.
+    """
+    int32_format = prefix + "ring" in state_dict and prefix + "overflow" not in state_dict and \
+        getattr(state_dict[prefix + "ring"], "dtype", None) == torch.int32
+    entries = counter_entries(state_dict, prefix, RareTokenWindow._KEYS_INT32 if int32_format else RareTokenWindow._KEYS)
+    ring, counts, current, meta = (entries[key] for key in RareTokenWindow._KEYS_INT32)
+    ring_name, overflow_name, counts_name, current_name, meta_name = (prefix + key for key in RareTokenWindow._KEYS)
+    _check_tensor(meta_name, meta, torch.int64, (3,))
+    window, update_index, recorded = (int(v) for v in meta.tolist())
+    _check_tensor(ring_name, ring, torch.int32 if int32_format else torch.uint8)
+    if ring.dim() != 2:
+        raise UsageError(f"{ring_name} has shape {tuple(ring.shape)}, expected (window, {vocab_size})")
+    _check_vocabulary(ring_name, ring.size(1), vocab_size)
+    if window < 1:
+        raise UsageError(f"{meta_name} says a window of {window} updates (at least 1)")
+    if ring.size(0) != window:
+        raise UsageError(f"{meta_name} says a window of {window} updates, but {ring_name} has {ring.size(0)} rows")
+    for name, value in ((counts_name, counts), (current_name, current)):
+        _check_tensor(name, value, torch.int64, (vocab_size,))
+    if not int32_format:
+        _check_overflow(overflow_name, entries["overflow"], ring, ring_name)
+    ring, overflow = saved_ring(state_dict, prefix)
+    ring_sums, finished = ring_totals(ring, overflow)
+    if not torch.equal(counts, ring_sums + current):
+        raise UsageError(f"{counts_name} is not the sum of {ring_name} and {current_name}")
+    if recorded > window or (update_index == 0) != (recorded == 0):
+        raise UsageError(f"{meta_name} says update {update_index} with {recorded} updates recorded (expected "
+                         f"1 <= recorded <= the window of {window} from update 1 on, 0 before)")
+    if update_index == 0:
+        if counts.any():
+            raise UsageError(f"{counts_name} holds counts before the first update ({meta_name} says update 0)")
+        return window, update_index, recorded
+    open_row = update_index % window
+    if ring[open_row].any():
+        raise UsageError(f"row {open_row} of {ring_name}, the row of the update being counted (update "
+                         f"{update_index} in {meta_name}), is not empty")
+    if finished > recorded - 1:
+        raise UsageError(f"{ring_name} holds {finished} finished updates, but {meta_name} says {recorded} updates "
+                         f"recorded (the open one and at most {recorded - 1} finished)")
+    return window, update_index, recorded
+
+
+def check_cumulative_state(state_dict: Mapping, vocab_size: int, prefix: str = ""):
+    """Checks a saved :class:`CumulativeCounts` (``counts`` under ``prefix``): non-negative
+    int64 counts, one per dictionary entry. Raises :class:`UsageError` naming the failed check."""
+    name = prefix + "counts"
+    counts = counter_entries(state_dict, prefix, CumulativeCounts._KEYS)["counts"]
+    _check_tensor(name, counts, torch.int64)
+    if counts.dim() != 1:
+        raise UsageError(f"{name} has shape {tuple(counts.shape)}, expected ({vocab_size},)")
+    _check_vocabulary(name, counts.numel(), vocab_size)
 
 
 def counted_ids(ids: torch.Tensor, excluded_id: Optional[int]) -> torch.Tensor:

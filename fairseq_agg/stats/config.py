@@ -30,7 +30,7 @@ class EmbeddingStatsConfig(FairseqDataclass):
         default=None,
         metadata={
             "help": "log the isotropy I(W) (isotropy, isotropy_raw, isotropy_fixed; O(V*d^2)) every "
-            "N updates and at validation; default: 10 x --embed-stats-interval; 0 = off"
+            "N updates and at validation; 0 = off; unset: 10 x --embed-stats-interval"
         },
     )
     no_embed_stats_valid: bool = field(
@@ -51,14 +51,15 @@ class EmbeddingStatsConfig(FairseqDataclass):
         default=None,
         metadata={
             "help": "fixed id ranges instead of fractions: wikitext103-official = "
-            "[0,13000), [13000,36000), [36000,V) (the official AGG evaluation)"
+            "[0,13000), [13000,36000), [36000,V) (the official AGG evaluation); unset: "
+            "--embed-group-fractions"
         },
     )
     tev_matrices: ChoiceEnum(list(MATRIX_CHOICES)) = field(
         default="all",
         metadata={
-            "help": "which matrices: input embeddings, output projection, or all distinct "
-            "matrices (tied ones count once)"
+            "help": "which matrices: input = the input embeddings (encoder and decoder), output = the "
+            "output projection, all = every distinct matrix (tied ones count once)"
         },
     )
     tev_exclude_special: bool = field(
@@ -75,7 +76,7 @@ class EmbeddingStatsConfig(FairseqDataclass):
     )
     tev_init_std: Optional[float] = field(
         default=None,
-        metadata={"help": "init std for tev_mu_over_init (default: d^-0.5, fairseq's embedding init)"},
+        metadata={"help": "init std for tev_mu_over_init; unset: d^-0.5, fairseq's embedding init"},
     )
     iso_rows: ChoiceEnum(list(G.ROW_POLICIES)) = field(
         default="no-pad-madeup",

@@ -14,9 +14,12 @@ fairseq-train writes, so fairseq-generate, fairseq-interactive, fairseq-eval-lm 
 fairseq-agg-analyze load it like any checkpoint, with torch's default safe loading.
 
 Every mistake is one line before anything is written: an ``--output`` that is one of the inputs,
-a directory, empty or not writable, an input given twice, an input that is missing, unreadable,
-truncated or no fairseq checkpoint. The output is written under a temporary name beside it and
-renamed when complete, so a failure leaves neither a half-written checkpoint nor a temporary file.
+a directory, a device, FIFO or socket, empty or not writable, an input given twice, an input that
+is missing, a directory (without ``--num-*-checkpoints``), no regular file, unreadable, truncated or
+no fairseq checkpoint. The output is written under a temporary name beside it
+(``.NAME.<pid>.<random>.tmp``, removed by the next run if this one is killed) and renamed when
+complete, so a failure, a kill or a full disk (one line: the previous output is kept) leaves no
+half-written checkpoint (:mod:`fairseq_agg.files`).
 """
 import collections
 import os
@@ -25,7 +28,7 @@ import re
 import torch
 
 from fairseq_agg.errors import UsageError
-from fairseq_agg.files import atomic_path
+from fairseq_agg.files import atomic_output, irregular_file_kind
 from fairseq_agg.analysis.checkpoints import AnalyzeError, load_checkpoint
 
 _EPOCH_RE = re.compile(r"checkpoint(\d+)\.pt")
@@ -78,6 +81,13 @@ def checkpoint_paths(args):
         raise UsageError("--checkpoint-upper-bound needs --num-epoch-checkpoints or --num-update-checkpoints")
     seen = {}
     for path in args.inputs:
+        if os.path.isdir(path):
+            raise UsageError(f"--inputs: {path} is a directory; to average the last N checkpoints in it, add "
+                             "--num-epoch-checkpoints N (checkpointEPOCH.pt) or --num-update-checkpoints N "
+                             "(checkpoint_EPOCH_UPDATE.pt)")
+        kind = irregular_file_kind(path)
+        if kind is not None:
+            raise UsageError(f"--inputs: {path}: not a regular file ({kind}); name a checkpoint file")
         if not os.path.isfile(path):
             raise UsageError(f"--inputs: no such checkpoint file: {path}")
         if not os.access(path, os.R_OK):
@@ -150,10 +160,11 @@ def run(args, parser):
     try:
         paths = checkpoint_paths(args)
         # the output is checked, and its temporary file created, before any checkpoint is read
-        with atomic_path(args.output, inputs=paths, suffix=".pt", flag="--output") as tmp:
+        with atomic_output(args.output, inputs=paths, flag="--output") as handle:
             state = average_checkpoints(paths)
-            # torch.save, as fairseq-train's writer: the same layout, loaded by the same tools
-            torch.save(state, tmp)
+            # torch.save, as fairseq-train's writer: the same layout, loaded by the same tools; into
+            # a Python file, whose failed write keeps its errno (a full disk is then one line)
+            torch.save(state, handle)
     except UsageError as e:
         parser.error(str(e))  # one line, exit status 2
     print(f"averaged {len(paths)} checkpoints -> {args.output}")

@@ -2,6 +2,7 @@
 data-bins and real fairseq command-line subprocesses. Not part of the installed package: the tests
 import it as ``fairseq_runs`` through pytest's ``pythonpath`` (pyproject.toml: tests/support).
 """
+import hashlib
 import json
 import os
 import subprocess
@@ -179,3 +180,12 @@ def read_json_log(stdout_and_stderr):
         if isinstance(rec, dict):
             records.append(rec)
     return records
+
+
+def file_digests(directory):
+    """Every file of ``directory`` with its sha256: what a refused command must leave as it was."""
+    found = {}
+    for name in sorted(os.listdir(directory)):
+        with open(os.path.join(directory, name), "rb") as f:
+            found[name] = hashlib.sha256(f.read()).hexdigest()
+    return found

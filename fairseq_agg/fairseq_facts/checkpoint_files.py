@@ -1,0 +1,166 @@
+"""fairseq's checkpoint files: copies that a kill cannot truncate, and a damaged file as one line.
+
+fairseq writes each checkpoint atomically (``torch_persistent_save``: a ``.tmp`` file, then a
+rename) but then *copies* it to ``checkpoint_last.pt`` / ``checkpoint_best.pt`` /
+``checkpoint_N_M.pt`` with a plain ``PathManager.copy``. A kill during that copy (cluster
+preemption) leaves a truncated ``checkpoint_last.pt``, from which the same command used to die
+with fairseq's ``EOFError`` traceback. Loading the plugin changes two things, without changing
+fairseq's files:
+
+* :func:`make_checkpoint_copies_atomic`: ``PathManager.copy`` of a local file writes a temporary
+  file in the destination's directory and renames it over the destination, so the destination
+  is the old file or the complete new one.
+* :func:`check_checkpoints_on_load`: a checkpoint that torch cannot read (truncated by an older
+  run, or damaged) is refused in one line naming it and the newest intact checkpoint beside it
+  to pass to ``--restore-file``; the path and the criterion of the checkpoint loaded last are
+  kept for the plugin's criteria (:func:`last_loaded_checkpoint`), whose counts name the file
+  when they refuse it.
+"""
+import contextlib
+import glob
+import os
+import pickle
+import re
+import shutil
+import zipfile
+from typing import NamedTuple, Optional
+
+import torch
+
+from fairseq_agg.errors import UsageError
+from fairseq_agg.files import dead_writers
+
+
+class LoadedCheckpoint(NamedTuple):
+    path: str
+    criterion: Optional[str]  # the fairseq name of the criterion that wrote it (None: unknown)
+
+
+_last_loaded: Optional[LoadedCheckpoint] = None
+
+
+def last_loaded_checkpoint() -> Optional[LoadedCheckpoint]:
+    """The checkpoint this process loaded last through fairseq (None before any, and on the ranks
+    that receive the state by broadcast instead of reading the file)."""
+    return _last_loaded
+
+
+def writing_criterion(state) -> Optional[str]:
+    """The fairseq name of the criterion a checkpoint's training run used."""
+    cfg = state.get("cfg") if isinstance(state, dict) else None
+    criterion = cfg.get("criterion") if cfg is not None and hasattr(cfg, "get") else None
+    if criterion is not None and hasattr(criterion, "get") and criterion.get("_name"):
+        return str(criterion.get("_name"))
+    args = state.get("args") if isinstance(state, dict) else None
+    return getattr(args, "criterion", None)
+
+
+def atomic_copy(src_path: str, dst_path: str) -> bool:
+    """Copies ``src_path`` to ``dst_path`` through a temporary file beside the destination."""
+    directory = os.path.dirname(os.path.abspath(dst_path))
+    tmp = os.path.join(directory, f".{os.path.basename(dst_path)}.copy-{os.getpid()}.tmp")
+    try:
+        shutil.copyfile(src_path, tmp)
+        os.replace(tmp, dst_path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+    return True
+
+
+STALE_COPY = re.compile(r"\.checkpoint.*\.pt\.copy-(\d+)\.tmp")  # group 1: the copying process
+
+
+def remove_stale_copies(directory: str):
+    """Removes the temporary copies that killed processes left in ``directory``; called before a
+    run's checkpoint is loaded."""
+    for _, name in dead_writers(directory, STALE_COPY):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(directory, name))
+
+
+def make_checkpoint_copies_atomic():
+    """Replaces ``fairseq.file_io.PathManager.copy`` for local files by :func:`atomic_copy`
+    (remote paths, through iopath, keep fairseq's copy). Idempotent."""
+    from fairseq.file_io import PathManager
+
+    fairseq_copy = PathManager.__dict__["copy"].__func__
+    if getattr(fairseq_copy, "_atomic", False):
+        return
+
+    def copy(src_path: str, dst_path: str, overwrite: bool = False) -> bool:
+        if PathManager.path_requires_pathmanager(dst_path):
+            return fairseq_copy(src_path, dst_path, overwrite)
+        if not overwrite and os.path.exists(dst_path):
+            return False
+        return atomic_copy(src_path, dst_path)
+
+    copy._atomic = True
+    PathManager.copy = staticmethod(copy)
+
+
+def newest_intact_checkpoint(directory: str, exclude: str) -> Optional[str]:
+    """The intact ``checkpoint*.pt`` in ``directory`` (other than ``exclude``) that holds the most
+    updates; among equals a numbered one (``checkpoint_best.pt`` is a copy, which may be older
+    than its mtime says), then the newest."""
+    ranked = []
+    for path in glob.glob(os.path.join(glob.escape(directory), "checkpoint*.pt")):
+        if os.path.abspath(path) == os.path.abspath(exclude) or not readable_checkpoint(path):
+            continue
+        is_copy = os.path.basename(path) in ("checkpoint_best.pt", "checkpoint_last.pt")
+        ranked.append((checkpoint_updates(path), not is_copy, os.path.getmtime(path), path))
+    return max(ranked)[-1] if ranked else None
+
+
+def checkpoint_updates(path: str) -> int:
+    """The number of updates a readable checkpoint was saved after (-1 if it does not say)."""
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        return int(state["optimizer_history"][-1]["num_updates"])
+    except Exception:  # an archive that is complete but is no fairseq checkpoint ranks last
+        return -1
+
+
+def readable_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a complete torch archive (its zip directory reads and its entries'
+    checksums match) -- what a truncated or overwritten file is not."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return archive.testzip() is None
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError):
+        return False
+
+
+def check_checkpoints_on_load():
+    """Wraps fairseq's ``checkpoint_utils.load_checkpoint_to_cpu`` (which the Trainer calls through
+    the module) so that an unreadable checkpoint is a :class:`UsageError` and the loaded one is
+    remembered (:func:`last_loaded_checkpoint`). Idempotent."""
+    from fairseq import checkpoint_utils
+
+    fairseq_load = checkpoint_utils.load_checkpoint_to_cpu
+    if getattr(fairseq_load, "_checked", False):
+        return
+
+    def load_checkpoint_to_cpu(path, *args, **kwargs):
+        global _last_loaded
+        remove_stale_copies(os.path.dirname(os.path.abspath(path)))
+        try:
+            state = fairseq_load(path, *args, **kwargs)
+        except (EOFError, RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile) as error:
+            if os.path.isfile(path) and not readable_checkpoint(path):
+                raise UsageError(damaged_checkpoint_message(path)) from error
+            raise
+        _last_loaded = LoadedCheckpoint(os.path.abspath(path), writing_criterion(state))
+        return state
+
+    load_checkpoint_to_cpu._checked = True
+    checkpoint_utils.load_checkpoint_to_cpu = load_checkpoint_to_cpu
+
+
+def damaged_checkpoint_message(path: str) -> str:
+    size = os.path.getsize(path)
+    intact = newest_intact_checkpoint(os.path.dirname(os.path.abspath(path)), exclude=path)
+    advice = (f"resume from the newest intact one with --restore-file {intact}" if intact
+              else "no intact checkpoint is beside it; remove it to start afresh")
+    return f"checkpoint {path} is truncated or damaged ({size} bytes, not a complete torch archive): {advice}"

@@ -1,0 +1,68 @@
+"""An invalid choice of one of the plugin's flags as one line, not after fairseq's usage text.
+
+argparse answers ``--coupled-adam-matrices foo`` with fairseq-train's whole usage (about 170
+lines) before the line that matters. For the flags of the plugin's components (the fields of the
+dataclasses its criteria, models and optimizers register), :func:`report_invalid_choices_in_one_line`
+makes the answer read like the plugin's other refusals (:func:`fairseq_agg.errors.check_choice`):
+``PROG: error: --FLAG must be one of A, B, got 'foo'``, exit status 2. Other flags keep argparse's
+answer.
+"""
+import argparse
+import dataclasses
+import re
+
+from fairseq.models import MODEL_DATACLASS_REGISTRY, MODEL_REGISTRY
+from fairseq.registry import REGISTRIES
+
+from fairseq_agg.errors import flag_name
+
+# argparse's message for a value outside ``choices`` (Lib/argparse.py, _check_value)
+_INVALID_CHOICE = re.compile(r"argument (?P<flag>--[\w-]+)(?:/[^:]*)?: invalid choice: (?P<value>.*) \(choose from (?P<choices>.*)\)$")
+
+
+def _from_plugin(cls) -> bool:
+    return cls.__module__.split(".")[0] == "fairseq_agg"
+
+
+def plugin_dataclasses():
+    """The config dataclasses of the components the plugin registers with fairseq."""
+    found = []
+    for registry in REGISTRIES.values():
+        for name, cls in registry["registry"].items():
+            config = registry["dataclass_registry"].get(name)
+            if _from_plugin(cls) and config is not None:
+                found.append(config)
+    found += [MODEL_DATACLASS_REGISTRY[name] for name, cls in MODEL_REGISTRY.items()
+              if _from_plugin(cls) and name in MODEL_DATACLASS_REGISTRY]
+    return found
+
+
+def plugin_flags():
+    """Every flag the plugin's components add (their dataclass fields as fairseq names them)."""
+    return {flag_name(field.name) for config in plugin_dataclasses() for field in dataclasses.fields(config)}
+
+
+def one_line_choice_error(message: str, flags) -> str:
+    """The plugin's wording of argparse's invalid-choice ``message`` for one of ``flags``, or None."""
+    found = _INVALID_CHOICE.match(message)
+    if found is None or found.group("flag") not in flags:
+        return None
+    choices = ", ".join(choice.strip().strip("'\"") for choice in found.group("choices").split(","))
+    return f"{found.group('flag')} must be one of {choices}, got {found.group('value')}"
+
+
+def report_invalid_choices_in_one_line():
+    """Makes argparse's invalid-choice error of a plugin flag one line (see the module docstring).
+    Idempotent; the flags are read when the error happens (every component is registered then)."""
+    stock_error = argparse.ArgumentParser.error
+    if getattr(stock_error, "_plugin_choices", False):
+        return
+
+    def error(parser, message):
+        line = one_line_choice_error(message, plugin_flags())
+        if line is None:
+            stock_error(parser, message)
+        parser.exit(2, f"{parser.prog}: error: {line}\n")
+
+    error._plugin_choices = True
+    argparse.ArgumentParser.error = error

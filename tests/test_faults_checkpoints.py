@@ -1,0 +1,109 @@
+"""fairseq's copies to checkpoint_last.pt cannot be truncated by a kill, and a truncated one is one
+line naming the checkpoint to resume from (issue #35; fairseq_agg/fairseq_facts/checkpoint_files.py).
+
+Real ``fairseq-train`` subprocesses on the tiny LM: a run of 16 updates with a checkpoint every 8
+(checkpoint_1_8.pt, checkpoint_1_16.pt, then their copy checkpoint_last.pt), and a straight run of
+24 updates to compare a resume with.
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fairseq_runs import TINY_LM_ARGS, USER_DIR, file_digests as digests, run_cli
+
+
+def train_args(data, save_dir, max_update, extra=()):
+    return [data, "--user-dir", USER_DIR] + TINY_LM_ARGS + [
+        "--criterion", "cross_entropy_agg", "--agg-alpha", "0.03", "--max-update", str(max_update),
+        "--save-interval-updates", "8", "--save-dir", save_dir,
+    ] + list(extra)
+
+
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def runs(lm_data_bin, tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults_checkpoints")
+    interrupted, straight = str(root / "interrupted"), str(root / "straight")
+    run_cli("fairseq-train", train_args(lm_data_bin, interrupted, 16))
+    run_cli("fairseq-train", train_args(lm_data_bin, straight, 24))
+    return {"interrupted": interrupted, "straight": straight, "data": lm_data_bin}
+
+
+def dead_pid():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+@pytest.mark.parametrize("kept_bytes", [0, 4096], ids=["empty", "truncated"])
+def test_a_truncated_checkpoint_last_is_one_line_naming_the_checkpoint_to_resume_from(runs, tmp_path, kept_bytes):
+    save_dir = str(tmp_path / "ckpt")
+    shutil.copytree(runs["interrupted"], save_dir)
+    last = os.path.join(save_dir, "checkpoint_last.pt")
+    with open(last, "r+b") as f:  # what a kill during fairseq's plain copy left behind
+        f.truncate(kept_bytes)
+    before = digests(save_dir)
+
+    proc = run_cli("fairseq-train", train_args(runs["data"], save_dir, 24), expect_ok=False, timeout=300)
+    intact = os.path.join(save_dir, "checkpoint_1_16.pt")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"fairseq-train: error: checkpoint {last} is truncated or damaged ({kept_bytes} bytes, not a complete "
+        f"torch archive): resume from the newest intact one with --restore-file {intact}")
+    assert digests(save_dir) == before  # nothing changed, nothing added (no crash.pt)
+
+    # the advice works: the resume from it ends where the straight run ends, bit for bit, and
+    # removes the temporary copy a killed run left (its process is gone)
+    stale = os.path.join(save_dir, f".checkpoint_last.pt.copy-{dead_pid()}.tmp")
+    with open(stale, "wb") as f:
+        f.write(b"partial copy")
+    run_cli("fairseq-train", train_args(runs["data"], save_dir, 24, ["--restore-file", intact]))
+    assert not os.path.exists(stale)
+    resumed, straight = load(last), load(os.path.join(runs["straight"], "checkpoint_last.pt"))
+    assert resumed["optimizer_history"][-1]["num_updates"] == 24
+    for part in ("model", "criterion"):
+        assert resumed[part].keys() == straight[part].keys()
+        for key, value in straight[part].items():
+            assert torch.equal(value, resumed[part][key]), (part, key)
+
+
+COPY_UNDER_A_FILE_SIZE_LIMIT = """
+import os, resource, signal, sys
+import fairseq_agg  # noqa: F401  (makes fairseq's checkpoint copies atomic)
+from fairseq.file_io import PathManager
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[3]), int(sys.argv[3])))
+PathManager.copy(sys.argv[1], sys.argv[2], overwrite=True)
+"""
+
+
+def test_a_copy_that_fails_midway_leaves_the_previous_checkpoint_last(runs, tmp_path):
+    """fairseq's own call (PathManager.copy, as checkpoint_utils.save_checkpoint makes it), cut
+    off halfway by a file-size limit: the previous checkpoint_last.pt is kept whole, and no
+    temporary copy is left."""
+    save_dir = str(tmp_path / "ckpt")
+    shutil.copytree(runs["interrupted"], save_dir)
+    source = os.path.join(save_dir, "checkpoint_1_16.pt")
+    last = os.path.join(save_dir, "checkpoint_last.pt")
+    shutil.copyfile(os.path.join(save_dir, "checkpoint_1_8.pt"), last)  # the previous one
+    before = digests(save_dir)
+
+    limit = os.path.getsize(source) // 2
+    proc = subprocess.run([sys.executable, "-c", COPY_UNDER_A_FILE_SIZE_LIMIT, source, last, str(limit)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "File too large" in proc.stderr, proc.stderr[-3000:]
+    assert digests(save_dir) == before
+
+    proc = subprocess.run([sys.executable, "-c", COPY_UNDER_A_FILE_SIZE_LIMIT, source, last, str(2 ** 40)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    after = digests(save_dir)
+    assert after["checkpoint_last.pt"] == before["checkpoint_1_16.pt"] and set(after) == set(before)
