@@ -73,7 +73,7 @@ def test_each_method_object_refuses_bad_arguments_in_one_line(build, message):
 def test_the_window_bound_is_what_the_ring_allocates():
     vocab = 50000
     bound = max_window(vocab)
-    assert bound == MAX_WINDOW_BYTES // (4 * vocab)  # int32 counts, window x V
+    assert bound == MAX_WINDOW_BYTES // vocab  # one-byte counts, window x V
     assert AggLoss(vocab, window=bound).counter.window == bound  # allocated lazily by torch.zeros: cheap here
     with pytest.raises(UsageError, match=rf"^--agg-window must be <= {bound}, got {bound + 1}: a window of K updates"):
         AggLoss(vocab, window=bound + 1)
@@ -82,7 +82,7 @@ def test_the_window_bound_is_what_the_ring_allocates():
     window = RareTokenWindow(vocab)
     with pytest.raises(UsageError, match="--agg-window must be <="):  # an epoch-sized window as well
         window.set_window(bound + 1)
-    assert window.nbytes == 2 * 8 * vocab and RareTokenWindow(vocab, 10).nbytes == 10 * 4 * vocab + 2 * 8 * vocab
+    assert window.nbytes == 2 * 8 * vocab and RareTokenWindow(vocab, 10).nbytes == 10 * vocab + 2 * 8 * vocab
 
 
 def test_defaults_and_counting_without_fairseq():

@@ -92,9 +92,7 @@ def make_checkpoint_copies_atomic():
     def copy(src_path: str, dst_path: str, overwrite: bool = False) -> bool:
         if PathManager.path_requires_pathmanager(dst_path):
             return fairseq_copy(src_path, dst_path, overwrite)
-        if not overwrite and os.path.exists(dst_path):
-            return False
-        return atomic_copy(src_path, dst_path)
+        return atomic_copy(src_path, dst_path)  # like fairseq's local copy, it overwrites either way
 
     copy._atomic = True
     PathManager.copy = staticmethod(copy)
