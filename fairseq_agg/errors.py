@@ -93,6 +93,15 @@ def check_choice(name, value, choices):
     return value
 
 
+def exception_chain(exc):
+    """``exc``, then the exceptions it was raised from or while handling, innermost last."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
 def usage_error_behind(exc):
     """``exc`` if it is a :class:`UsageError`, else the UsageError it was raised while handling.
 
@@ -100,13 +109,7 @@ def usage_error_behind(exc):
     plain ``Exception("Cannot load model parameters from checkpoint ...")``; the plugin's reason
     (a damaged AGG state, a vocabulary that does not match) is that exception's ``__context__``.
     """
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, UsageError):
-            return exc
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return None
+    return next((error for error in exception_chain(exc) if isinstance(error, UsageError)), None)
 
 
 def report_usage_errors_in_one_line(prog=None):

@@ -26,7 +26,7 @@ import re
 import stat
 import tempfile
 
-from fairseq_agg.errors import UsageError
+from fairseq_agg.errors import UsageError, exception_chain
 
 logger = logging.getLogger(__name__)
 
@@ -134,13 +134,8 @@ def _full_disk_errno(error):
     """The ENOSPC / EDQUOT / EFBIG behind ``error``, or None. torch.save reports a failed write to
     a Python file as a RuntimeError raised while handling the file's OSError, so the chain of
     causes and contexts is searched."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in _FULL_DISK:
-            return error.errno
-        error = error.__cause__ or error.__context__
-    return None
+    return next((cause.errno for cause in exception_chain(error)
+                 if isinstance(cause, OSError) and cause.errno in _FULL_DISK), None)
 
 
 @contextlib.contextmanager
