@@ -23,6 +23,7 @@ from fairseq.registry import REGISTRIES
 
 import fairseq_agg  # noqa: F401  (registers the plugin)
 from fairseq_agg.errors import UsageError
+from fairseq_agg.fairseq_facts.flag_choices import from_plugin
 from fairseq_agg.files import atomic_output, check_output_path
 
 _LM = ["--task", "language_modeling", "--arch", "transformer_lm"]
@@ -88,10 +89,6 @@ class Section(NamedTuple):
 # the plugin's components and their flags
 
 
-def _is_plugin(cls) -> bool:
-    return cls.__module__.split(".")[0] == "fairseq_agg"
-
-
 def component_options() -> List[str]:
     """``--criterion``, ``--arch``, then the option of every other fairseq registry (``--optimizer``, ...)."""
     return ["--criterion", "--arch"] + ["--" + name.replace("_", "-") for name in REGISTRIES if name != "criterion"]
@@ -100,7 +97,7 @@ def component_options() -> List[str]:
 def plugin_components(option: str) -> List[str]:
     """The names the plugin registers for fairseq-train's ``option`` (architectures: base and named)."""
     registry = ARCH_MODEL_REGISTRY if option == "--arch" else REGISTRIES[option[2:].replace("-", "_")]["registry"]
-    return sorted(name for name, cls in registry.items() if _is_plugin(cls))
+    return sorted(name for name, cls in registry.items() if from_plugin(cls))
 
 
 def plugin_criteria() -> List[str]:

@@ -20,7 +20,8 @@ from fairseq_agg.errors import flag_name
 _INVALID_CHOICE = re.compile(r"argument (?P<flag>--[\w-]+)(?:/[^:]*)?: invalid choice: (?P<value>.*) \(choose from (?P<choices>.*)\)$")
 
 
-def _from_plugin(cls) -> bool:
+def from_plugin(cls) -> bool:
+    """Whether a class fairseq registered is one of the plugin's components."""
     return cls.__module__.split(".")[0] == "fairseq_agg"
 
 
@@ -30,10 +31,10 @@ def plugin_dataclasses():
     for registry in REGISTRIES.values():
         for name, cls in registry["registry"].items():
             config = registry["dataclass_registry"].get(name)
-            if _from_plugin(cls) and config is not None:
+            if from_plugin(cls) and config is not None:
                 found.append(config)
     found += [MODEL_DATACLASS_REGISTRY[name] for name, cls in MODEL_REGISTRY.items()
-              if _from_plugin(cls) and name in MODEL_DATACLASS_REGISTRY]
+              if from_plugin(cls) and name in MODEL_DATACLASS_REGISTRY]
     return found
 
 

@@ -293,14 +293,13 @@ def saved_ring(state_dict: Mapping, prefix: str = ""):
     return ring.clamp(max=SATURATED).to(torch.uint8), overflow
 
 
-def _check_tensor(name: str, value, dtypes, shape: Optional[Tuple[int, ...]] = None):
-    """A saved tensor of a dtype the counters write (one, or a tuple of them) and of ``shape``,
-    with no negative entry (counts, and the window's metadata, are never negative)."""
-    dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
+def _check_tensor(name: str, value, dtype: torch.dtype, shape: Optional[Tuple[int, ...]] = None):
+    """A saved tensor of the dtype the counters write (and of ``shape``), with no negative entry
+    (counts, and the window's metadata, are never negative)."""
     if not isinstance(value, torch.Tensor):
         raise UsageError(f"{name} is a {type(value).__name__}, not a tensor")
-    if value.dtype not in dtypes:
-        raise UsageError(f"{name} has dtype {value.dtype}, expected {' or '.join(map(str, dtypes))}")
+    if value.dtype != dtype:
+        raise UsageError(f"{name} has dtype {value.dtype}, expected {dtype}")
     if shape is not None and tuple(value.shape) != tuple(shape):
         raise UsageError(f"{name} has shape {tuple(value.shape)}, expected {tuple(shape)}")
     if value.numel() and int(value.min()) < 0:
