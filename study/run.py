@@ -229,14 +229,15 @@ def check_finished_match(p, plans):
                 "--work-dir, or delete those run directories")
 
 
-def other_budget_results(p, a, plans):
+def other_budget_results(p, a):
     """{part name: its planned runs finished in --compare-budget's work dir} for every selected part
-    with a budget comparison; a part with none there, or with runs of several budgets, is refused
-    (exit 2, before anything is written)."""
+    with a budget comparison. Refused (exit 2, before anything is written): a part with none there,
+    with runs of several budgets, or with runs whose flags differ from this invocation's at their
+    budget (the key of each run is remade with ``--updates`` set to theirs, as run_key does)."""
     out = {}
     for part in (x for x in a.part if a.compare_budget and x.budget_comparison):
-        dirs = [store.run_dir(a.compare_budget, part.name, spec.run_id) for spec, *_ in plans[part.name][1]]
-        results = [done[1] for done in map(store.finished, dirs) if done is not None]
+        there = argparse.Namespace(**{**vars(a), "work_dir": a.compare_budget})
+        results = [done[1] for *_, done in plan_part(there, part)[1] if done is not None]
         if not results:
             p.error(f"--compare-budget: no finished {part.name} run of this invocation's --seeds and --only in "
                     f"{os.path.join(a.compare_budget, part.name)}")
@@ -244,6 +245,12 @@ def other_budget_results(p, a, plans):
         if len(updates) > 1:
             p.error(f"--compare-budget: the {part.name} runs in {a.compare_budget} have different budgets "
                     f"({' '.join(map(str, updates))} updates); compare one budget at a time")
+        there.updates = updates[0]
+        other = [d for _, d, _, key, done in plan_part(there, part)[1] if done is not None and done[0].get("key") != key]
+        if other:
+            p.error(f"--compare-budget: {len(other)} finished {part.name} run(s) in {a.compare_budget} were made "
+                    f"with other flags than this invocation's at {updates[0]} updates (fairseq-train flags, data "
+                    f"or evaluation settings), e.g. {other[0]}; compare runs of the same settings")
         out[part.name] = results
     return out
 
@@ -369,7 +376,7 @@ def main(argv=None):
     p, a = parse_args(argv)
     plans = {part.name: plan_part(a, part) for part in a.part}
     check_finished_match(p, plans)
-    other_budget = other_budget_results(p, a, plans)
+    other_budget = other_budget_results(p, a)
     ctx = Context(a)
     failures = []
     for part in a.part:

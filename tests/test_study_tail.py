@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from study import parts as P
+from study import run as SR
 from study import tail as T
 from study import tail_data as D
 from study import tail_report as TR
@@ -440,9 +441,24 @@ def test_budget_comparison_of_the_smoke_runs_with_a_made_second_budget(tail_smok
         res["metrics"]["isotropy"] = {"baseline": 0.2, "agg": 0.5}.get(name, res["metrics"]["isotropy"])
         (dst / "result.json").write_text(json.dumps(res))
 
+    # the copied run.json still holds the 12-update run's flags: refused, nothing written
+    report = work / "tail" / "report"
+    before = (report / "table.md").read_bytes()
+    proc, out = study(repo_root, args + ["--report", "--compare-budget", work2])
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
+        "--compare-budget: 7 finished tail run(s) in %s were made with other flags than this invocation's at "
+        "24 updates (fairseq-train flags, data or evaluation settings), e.g. %s; compare runs of the same "
+        "settings" % (work2, work2 / "tail" / "baseline-s1")), out[-3000:]
+    assert (report / "table.md").read_bytes() == before and not (report / TR.BUDGET_COMPARISON_JSON).exists()
+    # with the flags a 24-update run of this invocation has (the study's own plan at --updates 24)
+    _, at_24 = SR.parse_args([str(x) for x in args] + ["--updates", "24", "--work-dir", str(work2)])
+    for spec, _, _, key, _ in SR.plan_part(at_24, P.PARTS["tail"])[1]:
+        if spec.seed == 1 and spec.name in twice:
+            run_json = work2 / "tail" / spec.run_id / "run.json"
+            run_json.write_text(json.dumps({**json.loads(run_json.read_text()), "key": key}))
+
     proc, out = study(repo_root, args + ["--report", "--compare-budget", work2])
     assert proc.returncode == 0 and "budget comparison with" in out, out[-3000:]
-    report = work / "tail" / "report"
     c = json.loads((report / TR.BUDGET_COMPARISON_JSON).read_text())
     assert [c["budgets"][side]["label"] for side in TR.SIDES] == ["12 updates", "24 updates"]
     assert c["missing"] == {"first": [], "second": [n for n in P.run_names(P.PARTS["tail"], "smoke") if n not in twice]}
