@@ -208,19 +208,27 @@ def dead_writers(directory, pattern):
     return dead
 
 
-def _temporary_file_pattern(path):
-    # mkstemp's random part holds no dot, so the temporaries of "a.pt" and "a.pt.1" never mix
-    return re.compile(re.escape(f".{os.path.basename(path)}.") + r"(\d+)\.[a-z0-9_]+\.tmp")
+def temporary_file_pattern(name_pattern):
+    """The names of :func:`atomic_path`'s temporaries for outputs whose base names fully match the
+    regular expression ``name_pattern`` (group 1: the writer's pid). mkstemp's random part holds no
+    dot, so the temporaries of "a.pt" and "a.pt.1" never mix."""
+    return re.compile(r"\." + name_pattern + r"\.(\d+)\.[a-z0-9_]+\.tmp")
 
 
-def remove_stale_temporaries(path):
-    """Removes the temporary files of ``path`` (see :func:`atomic_path`) left by killed processes."""
-    directory = os.path.dirname(os.path.abspath(path))
-    for _, name in dead_writers(directory, _temporary_file_pattern(path)):
+def remove_dead_temporaries(directory, pattern):
+    """Removes the regular files of ``directory`` whose names match ``pattern`` (see
+    :func:`temporary_file_pattern`) and whose writers are gone."""
+    for _, name in dead_writers(directory, pattern):
         temporary = os.path.join(directory, name)
         with contextlib.suppress(OSError):
             if stat.S_ISREG(os.lstat(temporary).st_mode):
                 os.remove(temporary)
+
+
+def remove_stale_temporaries(path):
+    """Removes the temporary files of ``path`` (see :func:`atomic_path`) left by killed processes."""
+    remove_dead_temporaries(os.path.dirname(os.path.abspath(path)),
+                            temporary_file_pattern(re.escape(os.path.basename(path))))
 
 
 # ----------------------------------------------------------------------------------------------

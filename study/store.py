@@ -8,6 +8,7 @@ import subprocess
 import time
 
 from examples.demo_common import REPO
+from fairseq_agg.files import atomic_output
 
 RUN_JSON = "run.json"
 RESULT_JSON = "result.json"
@@ -15,14 +16,11 @@ INVOCATIONS_JSON = "invocations.json"  # WORK/PART/: every invocation that train
 
 
 def write_json_atomic(path, obj):
-    """Writes ``obj`` to ``path`` through a temporary file and a rename, so that a killed process
-    never leaves a half-written file under the final name."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    """Writes ``obj`` to ``path`` through a temporary file, flushed and renamed (the package's
+    atomic writer), so that a killed process never leaves a half-written file under the final
+    name, and a full disk is one line naming the file."""
+    with atomic_output(path, "w", flag="--work-dir") as f:
         json.dump(obj, f, indent=1, allow_nan=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_json(path):

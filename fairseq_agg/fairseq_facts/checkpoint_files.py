@@ -8,19 +8,18 @@ with fairseq's ``EOFError`` traceback. Loading the plugin changes two things, wi
 fairseq's files:
 
 * :func:`make_checkpoint_copies_atomic`: ``PathManager.copy`` of a local file writes a temporary
-  file in the destination's directory and renames it over the destination, so the destination
-  is the old file or the complete new one.
+  file in the destination's directory and renames it over the destination
+  (:func:`fairseq_agg.files.atomic_path`), so the destination is the old file or the complete new
+  one, and a full disk is one line saying that the previous file is kept.
 * :func:`check_checkpoints_on_load`: a checkpoint that torch cannot read (truncated by an older
   run, or damaged) is refused in one line naming it and the newest intact checkpoint beside it
   to pass to ``--restore-file``; the path and the criterion of the checkpoint loaded last are
   kept for the plugin's criteria (:func:`last_loaded_checkpoint`), whose counts name the file
   when they refuse it.
 """
-import contextlib
 import glob
 import os
 import pickle
-import re
 import shutil
 import zipfile
 from typing import NamedTuple, Optional
@@ -28,7 +27,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from fairseq_agg.errors import UsageError
-from fairseq_agg.files import dead_writers
+from fairseq_agg.files import atomic_path, remove_dead_temporaries, temporary_file_pattern
 
 
 class LoadedCheckpoint(NamedTuple):
@@ -57,27 +56,19 @@ def writing_criterion(state) -> Optional[str]:
 
 def atomic_copy(src_path: str, dst_path: str) -> bool:
     """Copies ``src_path`` to ``dst_path`` through a temporary file beside the destination."""
-    directory = os.path.dirname(os.path.abspath(dst_path))
-    tmp = os.path.join(directory, f".{os.path.basename(dst_path)}.copy-{os.getpid()}.tmp")
-    try:
+    with atomic_path(dst_path, flag="--save-dir") as tmp:
         shutil.copyfile(src_path, tmp)
-        os.replace(tmp, dst_path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        raise
     return True
 
 
-STALE_COPY = re.compile(r"\.checkpoint.*\.pt\.copy-(\d+)\.tmp")  # group 1: the copying process
+# the temporaries of fairseq's checkpoint copies (checkpoint_last.pt, checkpoint_best.pt, checkpoint_E_U.pt, ...)
+CHECKPOINT_TEMPORARY = temporary_file_pattern(r"checkpoint[^/]*\.pt")
 
 
 def remove_stale_copies(directory: str):
     """Removes the temporary copies that killed processes left in ``directory``; called before a
     run's checkpoint is loaded."""
-    for _, name in dead_writers(directory, STALE_COPY):
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(directory, name))
+    remove_dead_temporaries(directory, CHECKPOINT_TEMPORARY)
 
 
 def make_checkpoint_copies_atomic():
