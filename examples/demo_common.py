@@ -193,16 +193,17 @@ PROGRESS_LINES = re.compile(r"\| (train_inner|train|valid|WARNING|ERROR|CRITICAL
 PREPROCESS_DONE = re.compile(r"Wrote preprocessed data")
 
 
-def run_logged(cmd, log_path, prefix, env, show=True, on_line=None):
-    """Runs a command, saving its merged stdout/stderr to log_path and echoing lines with a prefix:
-    every line (``show`` True), none (False), or those a compiled regex ``show`` finds; every line
-    whatever ``show`` with --verbose (:class:`Console`). ``on_line(line)`` sees each line as it comes.
+def run_logged(cmd, log_path, prefix, env, show=True, on_line=None, append=False):
+    """Runs a command, saving its merged stdout/stderr to log_path (after what it holds with
+    ``append``) and echoing lines with a prefix: every line (``show`` True), none (False), or those a
+    compiled regex ``show`` finds; every line whatever ``show`` with --verbose (:class:`Console`).
+    ``on_line(line)`` sees each line as it comes.
 
     Returns (returncode, output lines, wall seconds).
     """
     t0 = time.time()
     lines = []
-    with open(log_path, "w", encoding="utf-8") as log:
+    with open(log_path, "a" if append else "w", encoding="utf-8") as log:
         log.write(" ".join(cmd) + "\n")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                 cwd=REPO, bufsize=1)

@@ -3,6 +3,7 @@ definitions are in docs/study.md; each has a test with hand-computed values in t
 
 * :func:`valid_curve` - (update, value) points of fairseq's ``valid`` lines (``train_inner``
   lines: :func:`examples.demo_common.train_curve`);
+* :func:`resumed_log` - the log of a run trained in several attempts as if trained in one;
 * :func:`convergence` - the relative change of a curve over the last part of training;
 * :func:`count_spikes` - values above k x the median of the previous w points (loss and gnorm);
 * :func:`unique_tokens` - the AGG paper's "Uniq" of a set of continuations;
@@ -20,6 +21,32 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from examples.demo_common import mean_spread
 
 Points = List[Tuple[int, float]]
+
+
+# fairseq's resume ("Loaded checkpoint X (epoch 1 @ 300 updates)") and the update of a progress line
+# (train_inner: "num_updates=300"; valid and train: "| num_updates 300")
+_LOADED = re.compile(r"Loaded checkpoint .* \(epoch \d+ @ (\d+) updates\)")
+_UPDATE = re.compile(r"\bnum_updates[= ](\d+)")
+
+
+def resumed_log(lines: Sequence[str], header: str) -> List[str]:
+    """The log lines of a run whose fairseq-train was started several times, each attempt
+    beginning with a line that starts with ``header`` (its command; a resumed attempt's adds
+    ``--restore-file``) and every later one resuming from a checkpoint: the progress
+    lines that an attempt logged after the update the next one resumed from are left out (the next
+    attempt logs those updates again), so that the curves hold each update once."""
+    attempts: List[List[str]] = []
+    for line in lines:
+        if line.startswith(header) or not attempts:
+            attempts.append([])
+        attempts[-1].append(line)
+    out: List[str] = []
+    for attempt, following in zip(attempts, attempts[1:] + [None]):
+        if following is not None:
+            resumed = next((int(m.group(1)) for m in map(_LOADED.search, following) if m), 0)
+            attempt = [x for x in attempt if not (m := _UPDATE.search(x)) or int(m.group(1)) <= resumed]
+        out.extend(attempt)
+    return out
 
 
 # a valid line: "... | valid | epoch 001 | valid on 'valid' subset | loss 6.656 | ppl 100.85 | ... | num_updates 5"

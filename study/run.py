@@ -8,7 +8,8 @@ frontier), depth (baseline vs MLRA at several depths: TEV, loss and gradient-nor
 MT demo: BLEU, chrF, rare-token share), tail (a word-level LM on a long-tailed vocabulary of the
 Bibles, Shakespeare and Milton: the remedies where rare words exist). Each run lives in
 WORK/PART/RUN_ID/ with run.json (its command, data flags, seed, git commit; written first) and
-result.json (written last): a finished run is never redone, an interrupted one starts again.
+result.json (written last): a finished run is never redone, an interrupted one resumes from its
+last checkpoint (one at each validation; study/store.py says when it starts again instead).
 Tables and figures go to WORK/PART/report/; --report remakes them from the finished runs alone;
 --compare-budget WORK2 adds the comparison with the same runs trained at another budget in WORK2
 (the tail part: docs/study.md, "AGG's operating point").
@@ -25,12 +26,13 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from examples.demo_common import (VOCAB, DataUnavailable, check_args, child_env, done_seconds, last_train_stats,
                                   minutes, quiet_fairseq_logging, run_logged, train_curve)
 from examples.lm_demo import wordsim
+from fairseq_agg.fairseq_facts.checkpoint_files import checkpoint_updates, readable_checkpoint
 from study import parts as P
 from study import report as R
 from study import store
 from study import tail_data
 from study.evaluate import projection_figure
-from study.metrics import valid_curve
+from study.metrics import resumed_log, valid_curve
 
 TAG = "[study]"
 _PRINT = threading.Lock()
@@ -212,7 +214,7 @@ def plan_part(a, part):
     out = []
     for spec in specs:
         d = store.run_dir(a.work_dir, part.name, spec.run_id)
-        cmd = spec.train_command(budget, budget["updates"], data_bin, d, a.cpu)
+        cmd = store.resumable_command(spec.train_command(budget, budget["updates"], data_bin, d, a.cpu), budget["updates"])
         key = store.run_key(cmd, data_bin, d, part.corpus.data_flags(a), evaluation_settings(a, part, budget))
         out.append((spec, d, cmd, key, store.finished(d)))
     return budget, out
@@ -221,8 +223,8 @@ def plan_part(a, part):
 def check_finished_match(p, plans):
     """A finished run made with other flags would be mixed into the tables: refuse, naming it
     (exit 2, before anything is written)."""
-    bad = [(d, done[0].get("key")) for _, entries in plans.values() for _, d, _, key, done in entries
-           if done is not None and done[0].get("key") != key]
+    bad = [(d, store.stored_key(done[0])) for _, entries in plans.values() for _, d, _, key, done in entries
+           if done is not None and store.stored_key(done[0]) != key]
     if bad:
         p.error(f"--work-dir: {len(bad)} finished run(s) there were made with other flags (budget, --updates, "
                 f"data or evaluation settings), e.g. {bad[0][0]}; pass the same flags again, or another "
@@ -246,7 +248,7 @@ def other_budget_results(p, a):
             p.error(f"--compare-budget: the {part.name} runs in {a.compare_budget} have different budgets "
                     f"({' '.join(map(str, updates))} updates); compare one budget at a time")
         there.updates = updates[0]
-        other = [d for _, d, _, key, done in plan_part(there, part)[1] if done is not None and done[0].get("key") != key]
+        other = [d for _, d, _, key, done in plan_part(there, part)[1] if done is not None and store.stored_key(done[0]) != key]
         if other:
             p.error(f"--compare-budget: {len(other)} finished {part.name} run(s) in {a.compare_budget} were made "
                     f"with other flags than this invocation's at {updates[0]} updates (fairseq-train flags, data "
@@ -293,26 +295,59 @@ class Context:
             self.word_sim[corpus.name] = corpus.word_sim_flags(lists, ns.work_dir)
 
 
-def execute(ctx, part, budget, spec, directory, cmd, key):
-    """One run from scratch: run.json, fairseq-train, the evaluation, result.json."""
-    store.start_clean(directory)
-    data_bin, stamp = ctx.data[spec.corpus.name]
-    store.write_json_atomic(os.path.join(directory, store.RUN_JSON), {
-        "part": part.name, "run_id": spec.run_id, "name": spec.name, "seed": spec.seed, "group": spec.group,
-        "what": spec.method.get("what"), "budget": ctx.a.budget, "updates": budget["updates"], "command": cmd,
-        "key": key, "data": {"data_bin": data_bin, "stamp": stamp}, "git": store.git_state(), "started": time.time(),
-    })
-    t0 = time.time()
-    rc, lines, wall = run_logged(cmd, os.path.join(directory, "train.log"), f"[{part.name}/{spec.run_id}] ", ctx.env,
-                                 show=ctx.a.verbose)
-    ckpt = os.path.join(directory, "checkpoint_last.pt")
+def train(ctx, part, budget, spec, directory, cmd, key):
+    """fairseq-train of one run; returns its attempts (``attempts.json``). A run that an earlier
+    invocation left unfinished resumes from its checkpoint_last.pt where it can
+    (store.resumable_attempts: the same flags, an intact checkpoint), its log continuing in
+    train.log; any other starts from scratch."""
+    attempts = store.resumable_attempts(directory, key, readable_checkpoint)
+    ckpt = os.path.join(directory, store.LAST_CHECKPOINT)
+    if attempts is None:
+        attempts = []
+        store.start_clean(directory)
+        data_bin, stamp = ctx.data[spec.corpus.name]
+        store.write_json_atomic(os.path.join(directory, store.RUN_JSON), {
+            "part": part.name, "run_id": spec.run_id, "name": spec.name, "seed": spec.seed, "group": spec.group,
+            "what": spec.method.get("what"), "budget": ctx.a.budget, "updates": budget["updates"], "command": cmd,
+            "key": key, "data": {"data_bin": data_bin, "stamp": stamp}, "git": store.git_state(),
+            "started": time.time(),
+        })
+    elif checkpoint_updates(ckpt) >= budget["updates"]:
+        # trained to the end, stopped before its result: fairseq-train would take one more update
+        # before it checks --max-update
+        say(f"{TAG} {part.name}: {spec.run_id} was trained to the end; evaluating its {store.LAST_CHECKPOINT}")
+        return attempts
+    else:
+        restore = store.resume_checkpoint(directory, readable_checkpoint)
+        say(f"{TAG} {part.name}: {spec.run_id} resumes from its {os.path.basename(restore)} (attempt {len(attempts) + 1})")
+        cmd = [*cmd, "--restore-file", restore]
+    attempts.append({"started": time.time(), "ended": None})
+    store.write_json_atomic(os.path.join(directory, store.ATTEMPTS_JSON), attempts)
+    log = os.path.join(directory, "train.log")
+    rc, lines, _ = run_logged(cmd, log, f"[{part.name}/{spec.run_id}] ", ctx.env, show=ctx.a.verbose,
+                              append=len(attempts) > 1)
+    attempts[-1]["ended"] = time.time()
+    store.write_json_atomic(os.path.join(directory, store.ATTEMPTS_JSON), attempts)
     if rc != 0 or not os.path.isfile(ckpt):
         tail = "\n".join(lines[-20:])
-        raise RuntimeError(f"fairseq-train failed for {part.name}/{spec.run_id} (log {directory}/train.log):\n{tail}")
+        raise RuntimeError(f"fairseq-train failed for {part.name}/{spec.run_id} (log {log}):\n{tail}")
+    return attempts
+
+
+def execute(ctx, part, budget, spec, directory, cmd, key):
+    """One run: run.json, fairseq-train (:func:`train`), the evaluation, result.json."""
+    attempts = train(ctx, part, budget, spec, directory, cmd, key)
+    ckpt = os.path.join(directory, store.LAST_CHECKPOINT)
+    with open(os.path.join(directory, "train.log"), encoding="utf-8") as f:  # every attempt's lines, each update once
+        lines = resumed_log(f.read().splitlines(), " ".join(cmd))
+    seconds = [a["ended"] - a["started"] for a in attempts]
+    evaluation_started = time.time()
     stats = last_train_stats(lines)
     result = {
         "part": part.name, "run_id": spec.run_id, "name": spec.name, "seed": spec.seed, "group": spec.group,
-        "updates": budget["updates"], "train_wall_seconds": wall, "train_seconds": done_seconds(lines) or wall,
+        "updates": budget["updates"], "attempts": len(attempts), "train_wall_seconds": sum(seconds),
+        # fairseq's own training time of the last attempt, plus the whole time of the killed ones
+        "train_seconds": sum(seconds[:-1]) + (done_seconds(lines) or seconds[-1]),
         "rare_tokens": float(stats["agg_rare"]) if "agg_rare" in stats else None, "last_train": stats,
         # train_loss is what the criterion optimises (its spikes); train_nll the plain cross-entropy
         # the figures compare ([] where a stock criterion logs no nll_loss: its loss is that)
@@ -323,8 +358,9 @@ def execute(ctx, part, budget, spec, directory, cmd, key):
     result["metrics"] = part.evaluate(ctx, spec, budget, directory, ckpt, lines)
     if part.corpus.language_model:
         result["metrics"]["valid_ppl"] = result["curves"]["valid_ppl"][-1][1] if result["curves"]["valid_ppl"] else None
-    result["wall_seconds"] = time.time() - t0
+    result["wall_seconds"] = sum(seconds) + time.time() - evaluation_started
     store.write_json_atomic(os.path.join(directory, store.RESULT_JSON), result)
+    store.remove_interval_checkpoints(directory)
     return result
 
 

@@ -1,8 +1,12 @@
 """The study's run directories: WORK/PART/RUN_ID/ with ``run.json`` (written first: what the run
-is) and ``result.json`` (written last, atomically: the run is finished). A directory without
-``result.json`` is an interrupted run and is started again from scratch."""
+is), ``attempts.json`` (when each fairseq-train of it started) and ``result.json`` (written last,
+atomically: the run is finished). A directory without ``result.json`` is an interrupted run: it is
+resumed from its ``checkpoint_last.pt`` when that is intact and was written with the same flags
+(:func:`resumable_attempts`), else started again from scratch."""
+import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -12,6 +16,8 @@ from fairseq_agg.files import atomic_output
 
 RUN_JSON = "run.json"
 RESULT_JSON = "result.json"
+ATTEMPTS_JSON = "attempts.json"  # [{"started": time, "ended": time or None}], one per fairseq-train of the run
+LAST_CHECKPOINT = "checkpoint_last.pt"
 INVOCATIONS_JSON = "invocations.json"  # WORK/PART/: every invocation that trained runs of the part
 
 
@@ -61,12 +67,93 @@ def record_invocation(part_dir, seconds, runs_trained):
     write_json_atomic(os.path.join(part_dir, INVOCATIONS_JSON), records)
 
 
+# fairseq-train flags that make a killed run resumable and change nothing it computes: fairseq's
+# resume restores the model, the optimizer, the schedule, the position in the data, each update's
+# seed and the criterion's counts (tests/test_study.py checks that a resumed run ends as an
+# uninterrupted one). They are left out of a run's identity, with the number of values each takes.
+RESUME_FLAGS = {"--save-interval-updates": 1, "--keep-interval-updates": 1, "--no-save-optimizer-state": 0}
+
+
+def without_resume_flags(flags):
+    out, i = [], 0
+    while i < len(flags):
+        if flags[i] in RESUME_FLAGS:
+            i += 1 + RESUME_FLAGS[flags[i]]
+            continue
+        out.append(flags[i])
+        i += 1
+    return out
+
+
+def resumable_command(cmd, updates):
+    """fairseq-train's command ``cmd`` made resumable: a checkpoint with the optimizer's state at
+    each validation (``--validate-interval-updates``, else every tenth of ``updates``), of which
+    only the newest is kept beside checkpoint_last.pt."""
+    every = cmd[cmd.index("--validate-interval-updates") + 1] if "--validate-interval-updates" in cmd \
+        else str(max(1, updates // 10))
+    return [*without_resume_flags(cmd), "--save-interval-updates", every, "--keep-interval-updates", "1"]
+
+
 def run_key(cmd, data_bin, directory, data_flags, evaluation):
     """What makes two runs the same run: fairseq-train's flags (with the data and run directory as
-    placeholders, so that a moved work directory still matches), the data flags and the
-    evaluation settings."""
-    flags = [{data_bin: "DATA", directory: "RUN_DIR"}.get(x, x) for x in cmd[1:]]
+    placeholders, so that a moved work directory still matches; the resume flags left out), the
+    data flags and the evaluation settings."""
+    flags = [{data_bin: "DATA", directory: "RUN_DIR"}.get(x, x) for x in without_resume_flags(cmd[1:])]
     return {"train_flags": flags, "data": data_flags, "evaluation": evaluation}
+
+
+def stored_key(run_json):
+    """The key a run's ``run.json`` holds, as :func:`run_key` makes it now (the runs of the study's
+    first days kept ``--no-save-optimizer-state`` in theirs)."""
+    key = run_json.get("key")
+    if not isinstance(key, dict) or not isinstance(key.get("train_flags"), list):
+        return key
+    return {**key, "train_flags": without_resume_flags(key["train_flags"])}
+
+
+def resumable_attempts(directory, key, readable):
+    """The attempts (``attempts.json``) of an unfinished run in ``directory`` that can be resumed:
+    same key, an attempts record, and a ``checkpoint_last.pt`` that ``readable(path)`` accepts.
+    The last attempt's end is taken as its log's last write. None: start the run from scratch."""
+    run_json, attempts = os.path.join(directory, RUN_JSON), os.path.join(directory, ATTEMPTS_JSON)
+    checkpoint = os.path.join(directory, LAST_CHECKPOINT)
+    if os.path.exists(os.path.join(directory, RESULT_JSON)) or not all(map(os.path.isfile, (run_json, attempts))):
+        return None
+    try:
+        same = stored_key(read_json(run_json)) == key
+        records = read_json(attempts)
+    except (OSError, ValueError):
+        return None
+    if not same or not records or not os.path.isfile(checkpoint) or not readable(checkpoint):
+        return None
+    log = os.path.join(directory, "train.log")
+    if records[-1].get("ended") is None:
+        records[-1]["ended"] = os.path.getmtime(log) if os.path.isfile(log) else records[-1]["started"]
+    return records
+
+
+INTERVAL_CHECKPOINT = re.compile(r"checkpoint_\d+_(\d+)\.pt")
+
+
+def resume_checkpoint(directory, readable):
+    """The checkpoint to resume an unfinished run from: the newest intact one of those saved at a
+    validation (checkpoint_E_U.pt), else checkpoint_last.pt. checkpoint_last.pt may be newer, but
+    when it was saved at the end of an epoch, fairseq resumes from it with another order of the next
+    epoch's batches than the uninterrupted run's (docs/usage.md, "Guarantees"), so at most one
+    validation interval is trained again to keep the run exact."""
+    saved = []
+    for name in os.listdir(directory):
+        match = INTERVAL_CHECKPOINT.fullmatch(name)
+        if match and readable(os.path.join(directory, name)):
+            saved.append((int(match.group(1)), name))
+    return os.path.join(directory, max(saved)[1] if saved else LAST_CHECKPOINT)
+
+
+def remove_interval_checkpoints(directory):
+    """Removes the resume checkpoints of a finished run (checkpoint_E_U.pt; the last and the best stay)."""
+    for path in glob.glob(os.path.join(directory, "checkpoint_*_*.pt")):
+        if INTERVAL_CHECKPOINT.fullmatch(os.path.basename(path)):
+            os.remove(path)
 
 
 def git_state():

@@ -1,19 +1,25 @@
 """The study runner (study/, scripts/run_study.sh): its metrics against hand-computed
 values, greedy decoding on a hand-built and a real tiny model, the report's marks, bad flags, and
 one smoke run per part with real fairseq subprocesses on the demos' test fixtures, including
-resuming (a finished run is never redone; an interrupted one is)."""
+resuming (a finished run is never redone; a killed one continues from its last checkpoint and ends
+as an uninterrupted run)."""
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 import types
 
 import pytest
 import torch
 
+from examples.demo_common import train_curve
 from study import metrics as M
 from study import parts as P
 from study import report as R
+from study import store
 from study.uniq import fairseq_next_logits, greedy_continuations, prefix_windows
 from test_pipelines_demo import make_bible_sqlite
 from test_pipelines_demo_mt import ding_fixture, lo_fixture
@@ -55,6 +61,67 @@ def test_convergence_is_the_relative_change_over_the_last_fifth():
     assert c["change"] == pytest.approx(-0.02) and c["converged"] is False
     # one validation in the window: cannot tell
     assert M.convergence([(50, 120.0), (100, 98.0)], total_updates=100) is None
+
+
+def test_a_resumed_log_holds_each_update_once():
+    """Two attempts: the first logged updates 1-3 and a validation at 3, then was killed; the
+    second resumed from the checkpoint of update 2 and logged 3-4 again."""
+    header = "fairseq-train DATA --max-update 4"
+    lines = [
+        header,
+        "... | INFO | fairseq.trainer | No existing checkpoint found RUN_DIR/checkpoint_last.pt",
+        "... | INFO | train_inner | epoch 001:      1 / 9 loss=9.0, num_updates=1",
+        "... | INFO | train_inner | epoch 001:      2 / 9 loss=8.0, num_updates=2",
+        "... | INFO | valid | epoch 001 | valid on 'valid' subset | loss 7.9 | ppl 238.9 | num_updates 2",
+        "... | INFO | train_inner | epoch 001:      3 / 9 loss=7.5, num_updates=3",
+        header + " --restore-file RUN_DIR/checkpoint_1_2.pt",
+        "... | INFO | fairseq.trainer | Loaded checkpoint RUN_DIR/checkpoint_1_2.pt (epoch 1 @ 2 updates)",
+        "... | INFO | train_inner | epoch 001:      3 / 9 loss=7.0, num_updates=3",
+        "... | INFO | train_inner | epoch 001:      4 / 9 loss=6.0, num_updates=4",
+        "... | INFO | fairseq_cli.train | done training in 1.0 seconds",
+    ]
+    merged = M.resumed_log(lines, header)
+    assert merged == lines[:5] + lines[6:]  # the first attempt's update 3 is left out
+    assert [u for u, _ in train_curve(merged)] == [1, 2, 3, 4] and train_curve(merged)[2] == (3, 7.0)
+    assert M.resumed_log(lines[:6], header) == lines[:6]  # one attempt: unchanged
+    # an attempt that found no checkpoint (started from scratch) keeps none of the one before
+    restarted = lines[:6] + [header, lines[1], lines[2]]
+    assert M.resumed_log(restarted, header) == [header, lines[1], header, lines[1], lines[2]]
+
+
+def test_the_resume_flags_are_no_part_of_a_runs_identity(tmp_path):
+    cmd = ["fairseq-train", "DATA", "--no-save-optimizer-state", "--seed", "1", "--validate-interval-updates", "30"]
+    resumable = store.resumable_command(cmd, 300)
+    assert resumable == ["fairseq-train", "DATA", "--seed", "1", "--validate-interval-updates", "30",
+                         "--save-interval-updates", "30", "--keep-interval-updates", "1"]
+    assert store.resumable_command(cmd[:4], 300)[-3:] == ["30", "--keep-interval-updates", "1"]  # a tenth
+    key = store.run_key(resumable, "DATA", "RUN", {}, {})
+    assert key == store.run_key(cmd, "DATA", "RUN", {}, {}) == store.stored_key({"key": store.run_key(cmd, "x", "y", {}, {})})
+    assert key["train_flags"] == ["DATA", "--seed", "1", "--validate-interval-updates", "30"]
+
+    # what may be resumed: same key, an attempts record, an intact checkpoint, no result
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / store.RUN_JSON).write_text(json.dumps({"key": key}))
+    (d / store.ATTEMPTS_JSON).write_text(json.dumps([{"started": 1.0, "ended": None}]))
+    (d / store.LAST_CHECKPOINT).write_bytes(b"x")
+    (d / "train.log").write_text("")
+    os.utime(d / "train.log", (5.0, 5.0))
+    assert store.resumable_attempts(str(d), key, lambda path: True) == [{"started": 1.0, "ended": 5.0}]
+    assert store.resumable_attempts(str(d), key, lambda path: False) is None  # a damaged checkpoint
+    assert store.resumable_attempts(str(d), {**key, "data": {"vocab": 1}}, lambda path: True) is None
+    (d / store.RESULT_JSON).write_text("{}")
+    assert store.resumable_attempts(str(d), key, lambda path: True) is None  # finished
+    (d / store.RESULT_JSON).unlink()
+    (d / store.ATTEMPTS_JSON).unlink()  # a run of the days before resuming
+    assert store.resumable_attempts(str(d), key, lambda path: True) is None
+
+    # resumed from the newest intact checkpoint of a validation, else checkpoint_last.pt
+    assert store.resume_checkpoint(str(d), lambda path: True) == str(d / store.LAST_CHECKPOINT)
+    for name in ("checkpoint_1_20.pt", "checkpoint_2_24.pt", "checkpoint_best.pt"):
+        (d / name).write_bytes(b"x")
+    assert store.resume_checkpoint(str(d), lambda path: True) == str(d / "checkpoint_2_24.pt")
+    assert store.resume_checkpoint(str(d), lambda path: not path.endswith("_24.pt")) == str(d / "checkpoint_1_20.pt")
 
 
 def test_valid_curve_reads_fairseq_validation_lines():
@@ -324,14 +391,16 @@ def test_lm_smoke_resumes_without_redoing_finished_runs(work, repo_root, fixture
     assert proc.returncode == 0 and "2 of 2 runs already finished" in out and "start " not in out, out[-3000:]
     assert {n: ((d / "result.json").read_bytes(), (d / "train.log").stat().st_mtime_ns) for n, d in runs.items()} == before
 
-    # a study killed during the untied run: that run alone starts again
+    # a study killed after the untied run's training, before its result: that run alone is
+    # evaluated again, from its last checkpoint (not trained: fairseq-train would take one more update)
     (runs["untied"] / "result.json").unlink()
     proc, out = study(repo_root, args)
-    assert proc.returncode == 0 and "1 of 2 runs already finished" in out and "start untied-s1" in out, out[-3000:]
-    assert (runs["baseline"] / "train.log").stat().st_mtime_ns == before["baseline"][1]
-    assert (runs["untied"] / "train.log").stat().st_mtime_ns != before["untied"][1]
-    new = json.load(open(runs["untied"] / "result.json"))
-    assert new["metrics"]["test_ppl"] == pytest.approx(json.loads(before["untied"][0])["metrics"]["test_ppl"], rel=1e-6)
+    assert proc.returncode == 0 and "1 of 2 runs already finished" in out, out[-3000:]
+    assert "untied-s1 was trained to the end; evaluating its checkpoint_last.pt" in out, out[-3000:]
+    assert {n: (d / "train.log").stat().st_mtime_ns for n, d in runs.items()} == {n: b[1] for n, b in before.items()}
+    new, old = json.load(open(runs["untied"] / "result.json")), json.loads(before["untied"][0])
+    assert new["metrics"]["test_ppl"] == old["metrics"]["test_ppl"] and new["curves"] == old["curves"]
+    assert new["attempts"] == old["attempts"] == 1
 
     # --report remakes the report from the finished runs alone
     (report / "table.md").unlink()
@@ -345,6 +414,59 @@ def test_lm_smoke_resumes_without_redoing_finished_runs(work, repo_root, fixture
     proc, out = study(repo_root, args + ["--updates", "10"])
     assert proc.returncode == 2 and "made with other flags" in proc.stderr
     assert json.load(open(runs["baseline"] / "result.json"))["updates"] == 12
+
+
+INTERVAL_CHECKPOINT = re.compile(r"checkpoint_\d+_(\d+)\.pt")
+
+
+def test_a_killed_run_resumes_from_its_last_checkpoint_and_ends_as_an_uninterrupted_one(tmp_path, repo_root, fixtures):
+    """AGG (whose counts are part of the state) for 40 smoke updates (two epochs of 23 and 17), a
+    checkpoint at every validation (each 4 updates): once straight, once killed (SIGKILL of the
+    study and its fairseq-train) as soon as its log says that the first epoch ended, then started
+    again. The end-of-epoch checkpoint_last.pt is then newer than the newest validation checkpoint
+    (update 20, or 24 when the kill came late): the run resumes from the latter, since fairseq
+    orders the next epoch's batches differently after an end-of-epoch checkpoint."""
+    runs = {}
+    for name in ("straight", "killed"):
+        args = smoke_args(fixtures, tmp_path / name, "lm", "agg") + ["--no-word-sim", "--updates", "40"]
+        runs[name] = tmp_path / name / "lm" / "agg-s1"
+        if name == "straight":
+            proc, out = study(repo_root, args)
+            assert proc.returncode == 0, out[-4000:]
+            assert "end of epoch 1 " in (runs[name] / "train.log").read_text()
+            continue
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        child = subprocess.Popen([sys.executable, "-m", "study.run", *map(str, args)], cwd=repo_root, env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        log, deadline = runs[name] / "train.log", time.time() + 600
+        while time.time() < deadline and child.poll() is None:
+            if log.is_file() and "end of epoch 1 " in log.read_text():
+                break
+            time.sleep(0.01)
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        assert not (runs[name] / "result.json").exists(), "the run ended before it was killed"
+        first = json.load(open(runs[name] / store.ATTEMPTS_JSON))
+        assert len(first) == 1 and first[0]["ended"] is None
+        proc, out = study(repo_root, args)
+        assert proc.returncode == 0, out[-4000:]
+        assert re.search(r"agg-s1 resumes from its checkpoint_[12]_(20|24)\.pt \(attempt 2\)", out), out[-3000:]
+
+    straight, resumed = (json.load(open(runs[n] / "result.json")) for n in ("straight", "killed"))
+    assert straight["attempts"] == 1 and resumed["attempts"] == 2
+    assert resumed["curves"] == straight["curves"] and [u for u, _ in straight["curves"]["valid_ppl"]][-1] == 40
+    for key in ("test_ppl", "isotropy", "mean_cos", "test_ppl_rare", "tev_mu"):
+        assert resumed["metrics"][key] == straight["metrics"][key], key
+    a, b = (torch.load(runs[n] / "checkpoint_last.pt", map_location="cpu", weights_only=False) for n in ("straight", "killed"))
+    for part in ("model", "criterion"):
+        assert a[part].keys() == b[part].keys() and a[part]
+        for name, value in a[part].items():
+            assert torch.equal(value, b[part][name]), (part, name)
+    # the resume checkpoints are gone once the run is finished; the log holds both attempts
+    assert not [x for x in os.listdir(runs["killed"]) if INTERVAL_CHECKPOINT.fullmatch(x)]
+    log = (runs["killed"] / "train.log").read_text()
+    assert len(re.findall(r"Loaded checkpoint \S+/checkpoint_\d+_\d+\.pt", log)) == 1
+    assert "No existing checkpoint found" in log
 
 
 def test_greedy_continuations_of_a_real_checkpoint_are_its_argmax(work, repo_root, fixtures):
