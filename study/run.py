@@ -223,11 +223,11 @@ def plan_part(a, part):
 def check_finished_match(p, plans):
     """A finished run made with other flags would be mixed into the tables: refuse, naming it
     (exit 2, before anything is written)."""
-    bad = [(d, store.stored_key(done[0])) for _, entries in plans.values() for _, d, _, key, done in entries
+    bad = [d for _, entries in plans.values() for _, d, _, key, done in entries
            if done is not None and store.stored_key(done[0]) != key]
     if bad:
         p.error(f"--work-dir: {len(bad)} finished run(s) there were made with other flags (budget, --updates, "
-                f"data or evaluation settings), e.g. {bad[0][0]}; pass the same flags again, or another "
+                f"data or evaluation settings), e.g. {bad[0]}; pass the same flags again, or another "
                 "--work-dir, or delete those run directories")
 
 
@@ -297,9 +297,9 @@ class Context:
 
 def train(ctx, part, budget, spec, directory, cmd, key):
     """fairseq-train of one run; returns its attempts (``attempts.json``). A run that an earlier
-    invocation left unfinished resumes from its checkpoint_last.pt where it can
-    (store.resumable_attempts: the same flags, an intact checkpoint), its log continuing in
-    train.log; any other starts from scratch."""
+    invocation left unfinished resumes where it can (store.resumable_attempts: the same flags, an
+    intact checkpoint) from its newest validation checkpoint (store.resume_checkpoint), its log
+    continuing in train.log; any other starts from scratch."""
     attempts = store.resumable_attempts(directory, key, readable_checkpoint)
     ckpt = os.path.join(directory, store.LAST_CHECKPOINT)
     if attempts is None:

@@ -3,7 +3,6 @@ is), ``attempts.json`` (when each fairseq-train of it started) and ``result.json
 atomically: the run is finished). A directory without ``result.json`` is an interrupted run: it is
 resumed from its ``checkpoint_last.pt`` when that is intact and was written with the same flags
 (:func:`resumable_attempts`), else started again from scratch."""
-import glob
 import json
 import os
 import re
@@ -151,9 +150,9 @@ def resume_checkpoint(directory, readable):
 
 def remove_interval_checkpoints(directory):
     """Removes the resume checkpoints of a finished run (checkpoint_E_U.pt; the last and the best stay)."""
-    for path in glob.glob(os.path.join(directory, "checkpoint_*_*.pt")):
-        if INTERVAL_CHECKPOINT.fullmatch(os.path.basename(path)):
-            os.remove(path)
+    for name in os.listdir(directory):
+        if INTERVAL_CHECKPOINT.fullmatch(name):
+            os.remove(os.path.join(directory, name))
 
 
 def git_state():
