@@ -1,8 +1,9 @@
 """The study's run directories: WORK/PART/RUN_ID/ with ``run.json`` (written first: what the run
 is), ``attempts.json`` (when each fairseq-train of it started) and ``result.json`` (written last,
 atomically: the run is finished). A directory without ``result.json`` is an interrupted run: it is
-resumed from its ``checkpoint_last.pt`` when that is intact and was written with the same flags
-(:func:`resumable_attempts`), else started again from scratch."""
+resumed when it was started with the same flags and holds an intact ``checkpoint_last.pt``
+(:func:`resumable_attempts`), from its newest validation checkpoint (:func:`resume_checkpoint`),
+else started again from scratch."""
 import json
 import os
 import re
