@@ -413,6 +413,11 @@ def main(argv=None):
     plans = {part.name: plan_part(a, part) for part in a.part}
     check_finished_match(p, plans)
     other_budget = other_budget_results(p, a)
+    if not a.report or os.path.isdir(a.work_dir):
+        holder = store.lock_work_dir(a.work_dir)
+        if holder is not None:
+            p.error(f"--work-dir: {a.work_dir} is in use by another study invocation ({holder}); "
+                    "wait for it to end, or pass another --work-dir")
     ctx = Context(a)
     failures = []
     for part in a.part:

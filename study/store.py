@@ -4,6 +4,7 @@ atomically: the run is finished). A directory without ``result.json`` is an inte
 resumed when it was started with the same flags and holds an intact ``checkpoint_last.pt``
 (:func:`resumable_attempts`), from its newest validation checkpoint (:func:`resume_checkpoint`),
 else started again from scratch."""
+import fcntl
 import json
 import os
 import re
@@ -19,6 +20,8 @@ RESULT_JSON = "result.json"
 ATTEMPTS_JSON = "attempts.json"  # [{"started": time, "ended": time or None}], one per fairseq-train of the run
 LAST_CHECKPOINT = "checkpoint_last.pt"
 INVOCATIONS_JSON = "invocations.json"  # WORK/PART/: every invocation that trained runs of the part
+LOCK_FILE = ".study.lock"  # WORK/: held by the one invocation that writes there
+_held_locks = []  # the open lock files of this process (closing one would release its lock)
 
 
 def write_json_atomic(path, obj):
@@ -27,6 +30,25 @@ def write_json_atomic(path, obj):
     name, and a full disk is one line naming the file."""
     with atomic_output(path, "w", flag="--work-dir") as f:
         json.dump(obj, f, indent=1, allow_nan=True)
+
+
+def lock_work_dir(work_dir):
+    """Takes WORK's lock for the rest of this process; returns None, or what the file says of the
+    invocation that holds it. Two invocations on one work directory would train the same run
+    directory (each starts an unfinished one from a clean directory) and rewrite the same reports.
+    An flock is released by the OS when its process ends, killed or not: no stale lock is left."""
+    os.makedirs(work_dir, exist_ok=True)
+    fd = os.open(os.path.join(work_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 200).decode("utf-8", "replace").strip() or "pid unknown"
+        os.close(fd)
+        return holder
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()}\n".encode())
+    _held_locks.append(fd)
+    return None
 
 
 def read_json(path):

@@ -350,6 +350,26 @@ def test_bad_flags_are_one_clear_error_before_anything_is_written(tmp_path, repo
     assert not work.exists()
 
 
+def test_a_work_dir_in_use_is_refused_and_freed_when_its_holder_is_killed(tmp_path, repo_root, fixtures):
+    work = tmp_path / "work"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from study import store; "
+                               "print(store.lock_work_dir(sys.argv[1]), flush=True); time.sleep(600)", str(work)],
+                              cwd=repo_root, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "None"  # the holder took the lock
+        for args in (smoke_args(fixtures, work, "lm", "baseline"), ["--report", "--work-dir", work]):
+            proc, out = study(repo_root, args)
+            assert proc.returncode == 2, out
+            assert f"--work-dir: {work} is in use by another study invocation (pid {holder.pid})" in proc.stderr, out
+            assert "Traceback" not in out and sorted(os.listdir(work)) == [store.LOCK_FILE]
+    finally:
+        holder.kill()
+        holder.wait()
+    # the OS released the killed holder's lock: no stale lock to remove by hand
+    proc, out = study(repo_root, ["--report", "--work-dir", work])
+    assert proc.returncode == 0, out
+
+
 def test_lm_smoke_resumes_without_redoing_finished_runs(work, repo_root, fixtures):
     args = smoke_args(fixtures, work, "lm", "baseline", "untied")
     proc, out = study(repo_root, args)
