@@ -70,7 +70,8 @@ def _register_with_fairseq():
     Makes fairseq's checkpoint copies atomic and a damaged checkpoint one line
     (:mod:`fairseq_agg.fairseq_facts.checkpoint_files`)."""
     from .errors import report_usage_errors_in_one_line
-    from .fairseq_facts.checkpoint_files import check_checkpoints_on_load, make_checkpoint_copies_atomic
+    from .fairseq_facts.checkpoint_files import (check_checkpoints_on_load, make_checkpoint_copies_atomic,
+                                                  make_checkpoint_saves_one_line)
     from .fairseq_facts.checkpoint_state import allow_namespace_in_checkpoints
     from .fairseq_facts.flag_choices import report_invalid_choices_in_one_line
     from .fairseq_facts.numpy_check import check_fairseq_extensions_match_numpy
@@ -78,6 +79,7 @@ def _register_with_fairseq():
     check_fairseq_extensions_match_numpy()
     allow_namespace_in_checkpoints()
     make_checkpoint_copies_atomic()
+    make_checkpoint_saves_one_line()
     check_checkpoints_on_load()
     report_invalid_choices_in_one_line()
     report_usage_errors_in_one_line()

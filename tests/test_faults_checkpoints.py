@@ -6,14 +6,16 @@ Real ``fairseq-train`` subprocesses on the tiny LM: a run of 16 updates with a c
 24 updates to compare a resume with.
 """
 import os
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from fairseq_runs import TINY_LM_ARGS, USER_DIR, file_digests as digests, run_cli
+from fairseq_runs import TINY_LM_ARGS, USER_DIR, fairseq_bin, file_digests as digests, run_cli
 
 
 def train_args(data, save_dir, max_update, extra=()):
@@ -109,3 +111,34 @@ def test_a_copy_that_fails_midway_leaves_the_previous_checkpoint_last(runs, tmp_
     assert proc.returncode == 0, proc.stderr[-3000:]
     after = digests(save_dir)
     assert after["checkpoint_last.pt"] == before["checkpoint_1_16.pt"] and set(after) == set(before)
+
+
+def test_a_checkpoint_save_that_runs_out_of_room_is_one_line_and_leaves_nothing(runs, tmp_path):
+    """A real fairseq-train, resumed at update 16, saves checkpoint_1_24.pt under a file-size limit
+    of half a checkpoint (what a full disk does to fairseq's first write of a checkpoint): one
+    line naming the file, exit 2, the directory as it was (no NAME.tmp), and the same command
+    without the limit then trains to the end."""
+    save_dir = str(tmp_path / "ckpt")
+    shutil.copytree(runs["interrupted"], save_dir)
+    before = digests(save_dir)
+    limit = os.path.getsize(os.path.join(save_dir, "checkpoint_last.pt")) // 2
+
+    def under_the_limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    args = [fairseq_bin("fairseq-train")] + train_args(runs["data"], save_dir, 24)
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env, preexec_fn=under_the_limit)
+    saved = os.path.join(save_dir, "checkpoint_1_24.pt")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"fairseq-train: error: file size limit exceeded writing {saved}; {saved} was not written")
+    assert digests(save_dir) == before
+
+    run_cli("fairseq-train", train_args(runs["data"], save_dir, 24))
+    resumed, straight = load(saved), load(os.path.join(runs["straight"], "checkpoint_1_24.pt"))
+    assert resumed["optimizer_history"][-1]["num_updates"] == 24
+    for key, value in straight["model"].items():
+        assert torch.equal(value, resumed["model"][key]), key

@@ -11,6 +11,9 @@ fairseq's files:
   file in the destination's directory and renames it over the destination
   (:func:`fairseq_agg.files.atomic_path`), so the destination is the old file or the complete new
   one, and a full disk is one line saying that the previous file is kept.
+* :func:`make_checkpoint_saves_one_line`: fairseq's first write of a checkpoint
+  (``torch_persistent_save``, to ``NAME.tmp`` then renamed) goes through the same atomic writer,
+  so a full disk there is one line too, and no ``NAME.tmp`` is left filling the disk.
 * :func:`check_checkpoints_on_load`: a checkpoint that torch cannot read (truncated by an older
   run, or damaged) is refused in one line naming it and the newest intact checkpoint beside it
   to pass to ``--restore-file``; the path and the criterion of the checkpoint loaded last are
@@ -87,6 +90,28 @@ def make_checkpoint_copies_atomic():
 
     copy._atomic = True
     PathManager.copy = staticmethod(copy)
+
+
+def make_checkpoint_saves_one_line():
+    """Replaces ``fairseq.checkpoint_utils.torch_persistent_save`` (which the Trainer calls through
+    the module) for local files written synchronously: ``torch.save`` to a file object, as fairseq
+    does, inside :func:`fairseq_agg.files.atomic_path`. Asynchronous and remote writes keep
+    fairseq's. Idempotent."""
+    from fairseq import checkpoint_utils
+    from fairseq.file_io import PathManager
+
+    fairseq_save = checkpoint_utils.torch_persistent_save
+    if getattr(fairseq_save, "_atomic", False):
+        return
+
+    def torch_persistent_save(obj, filename, async_write: bool = False):
+        if async_write or PathManager.path_requires_pathmanager(filename):
+            return fairseq_save(obj, filename, async_write=async_write)
+        with atomic_path(filename, flag="--save-dir") as tmp, open(tmp, "wb") as f:
+            torch.save(obj, f)
+
+    torch_persistent_save._atomic = True
+    checkpoint_utils.torch_persistent_save = torch_persistent_save
 
 
 def newest_intact_checkpoint(directory: str, exclude: str) -> Optional[str]:
