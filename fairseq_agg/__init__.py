@@ -67,7 +67,7 @@ def require_fairseq():
 def _register_with_fairseq():
     """Fills fairseq's registries (criteria, models, architectures, optimizers) and reports the
     plugin's refusals in one line; first refuses a fairseq built for numpy 1.x under numpy 2.
-    Makes fairseq's checkpoint copies atomic and a damaged checkpoint one line
+    Makes fairseq's checkpoint saves and copies atomic (a full disk one line) and a damaged checkpoint one line
     (:mod:`fairseq_agg.fairseq_facts.checkpoint_files`)."""
     from .errors import report_usage_errors_in_one_line
     from .fairseq_facts.checkpoint_files import (check_checkpoints_on_load, make_checkpoint_copies_atomic,
