@@ -27,11 +27,12 @@ everything between two updates, logging and statistics included, is in); and the
 RSS. Every round runs every configuration once, the order rotated from round to round, and each
 ratio is the median over rounds of the ratio within a round (same machine load).
 
-Goals (printed PASS/MISS): every method >= 0.97x stock CE's updates/s; the statistics at the
-default interval cost <= 2 % of a run's time. The second is judged within each run with the
-statistics (``in_run_share``: how much longer its measuring updates take than its median update);
-the paired ratio to the same method without them is printed beside it, but two processes on this
-VM differ by a few per cent on their own, which hides a cost of 0.1-0.2 %.
+Goals (printed PASS/MISS): every method >= 0.97x stock CE's updates/s; the statistics at
+``--stats-interval`` (default 100; the plugin's own default is off) cost <= 2 % of a run's time.
+The second is judged within each run with the statistics (``in_run_share``: how much longer its
+measuring updates take than its median update); the paired ratio to the same method without them
+is printed beside it, but two processes on this VM differ by a few per cent on their own, which
+hides a cost of 0.1-0.2 %.
 
 Usage (from the repository root): python -m scripts.bench_training [--shape demo,words] [--methods stock,agg,...]
        [--updates 300] [--repeats 3] [--stats-methods stock] [--stats-interval 100] [--threads 2] [--json FILE]

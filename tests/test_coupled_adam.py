@@ -46,6 +46,9 @@ def run(optimizer_cls, params, grads, **kwargs):
     coupled = [params[i] for i in kwargs.pop("coupled_indices", ())]
     if coupled:
         kwargs["coupled"] = coupled
+    undecayed = [params[i] for i in kwargs.pop("undecayed_indices", ())]
+    if undecayed:
+        kwargs["undecayed"] = undecayed
     opt = optimizer_cls(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kwargs)
     for step_grads in grads:
         for p, g in zip(params, step_grads):
@@ -129,9 +132,40 @@ def test_matrix_inside_a_flat_parameter_is_coupled_like_a_separate_one():
         assert torch.equal(piece.view(params[i].shape), separate[i].detach()), i
 
 
+def test_undecayed_tensors_are_left_as_torchs_parameter_groups_leave_them():
+    """The authors' setting: the embedding and the 1-D parameter undecayed, the other matrix decayed;
+    as a separate parameter and as a block of a flat one, bit-equal to torch's parameter groups."""
+    params = start_params()
+    grads = random_grads(params, 4)
+    grouped = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = CoupledAdam([{"params": [grouped[1]]}, {"params": [grouped[0], grouped[2]], "weight_decay": 0.0}],
+                      lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, coupled=[grouped[0]])
+    for step_grads in grads:
+        for p, g in zip(grouped, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    separate, _ = run(CoupledAdam, params, grads, coupled_indices=[0], undecayed_indices=[0, 2])
+    decayed_everywhere, _ = run(CoupledAdam, params, grads, coupled_indices=[0])
+    for i in range(3):
+        assert torch.equal(separate[i], grouped[i]), i
+    assert not torch.equal(separate[0], decayed_everywhere[0]) and torch.equal(separate[1], decayed_everywhere[1])
+    order = [2, 0, 1]  # fairseq's --fp16 layout, as above: [bias | matrix | weight]
+    flat = torch.nn.Parameter(torch.cat([params[i].reshape(-1) for i in order]))
+    matrix = (flat, CoupledBlock(params[2].numel(), *params[0].shape))
+    opt = CoupledAdam([flat], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, coupled=[matrix],
+                      undecayed=[matrix, (flat, CoupledBlock(0, params[2].numel(), 1))])
+    for step_grads in grads:
+        flat.grad = torch.cat([step_grads[i].reshape(-1) for i in order])
+        opt.step()
+    pieces = torch.split(flat.detach(), [params[i].numel() for i in order])
+    for i, piece in zip(order, pieces):
+        assert torch.equal(piece.view(params[i].shape), grouped[i].detach()), i
+
+
 @pytest.mark.parametrize("case,message", [
     ("scale-zero", "coupling_scale"), ("scale-nan", "coupling_scale"), ("not-a-matrix", "2-D"),
     ("not-optimized", "optimized parameters"), ("beyond-the-parameter", "does not lie"),
+    ("undecayed-not-optimized", "optimized parameters"), ("undecayed-beyond", "does not lie"),
 ])
 def test_torch_optimizer_refuses_bad_arguments(case, message):
     params = [torch.nn.Parameter(t) for t in start_params()]
@@ -141,6 +175,8 @@ def test_torch_optimizer_refuses_bad_arguments(case, message):
         "not-a-matrix": {"coupled": [params[2]]},
         "not-optimized": {"coupled": [torch.nn.Parameter(torch.zeros(3, 3))]},
         "beyond-the-parameter": {"coupled": [(params[1], CoupledBlock(6, 5, 6))]},
+        "undecayed-not-optimized": {"undecayed": [torch.nn.Parameter(torch.zeros(3))]},
+        "undecayed-beyond": {"undecayed": [(params[2], CoupledBlock(4, 3, 1))]},
     }[case]
     with pytest.raises(ValueError, match=message):
         CoupledAdam(params, **kwargs)
@@ -228,6 +264,42 @@ def test_fp16_layouts_couple_the_embedding_rows(lm_data_bin, monkeypatch):
         assert torch.equal(block.view(flat), matrix.float())
 
 
+def undecayed_names(model, opt):
+    """The names of the model parameters whose blocks weight decay skips, by position: the
+    optimizer's tensors are the model's trainable parameters in order (or their fp32 copies), or
+    under --fp16 one flat tensor that concatenates them."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    tensors = [t for group in opt.param_groups for t in group["params"]]
+    found = []
+    if len(tensors) == 1 < len(named):
+        starts, offset = {}, 0
+        for name, p in named:
+            starts[(offset, p.numel())] = name
+            offset += p.numel()
+        found = [starts[(b.offset, b.rows * b.cols)] for b in opt.undecayed_blocks.get(tensors[0], ())]
+    else:
+        index = {id(t): i for i, t in enumerate(tensors)}
+        for tensor, blocks in opt.undecayed_blocks.items():
+            name, p = named[index[id(tensor)]]
+            assert [(b.offset, b.rows * b.cols) for b in blocks] == [(0, p.numel())], name
+            found.append(name)
+    return sorted(found)
+
+
+def test_authors_decay_setting_skips_the_coupled_matrix_and_the_1d_parameters(lm_data_bin, monkeypatch):
+    model, opt, _ = built_optimizer(lm_data_bin, lm_args(), [])
+    assert opt.undecayed_blocks == {}  # the default: --weight-decay reaches every parameter
+    expected = sorted(["decoder.embed_tokens.weight"] + [n for n, p in model.named_parameters() if p.dim() == 1])
+    assert len(expected) > 10
+    for extra in ([], ["--fp16-no-flatten-grads", "--fp16"], ["--fp16"]):
+        if extra == ["--fp16"]:  # one flat fp32 tensor (which asks CUDA for its device only)
+            monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        model, opt, _ = built_optimizer(lm_data_bin, lm_args(), ["--coupled-adam-decay", "non-embedding-matrices"]
+                                        + extra)
+        assert undecayed_names(model, opt) == expected, extra
+        assert all(p.dim() == 1 for p in opt.undecayed_blocks) == (extra == ["--fp16"])
+
+
 def test_outside_fairseqs_trainer_it_is_a_usage_error(lm_data_bin):
     from fairseq_agg.errors import UsageError
     from fairseq_agg.optim.fairseq_coupled_adam import CoupledAdamConfig, FairseqCoupledAdam
@@ -255,30 +327,49 @@ def lm_train(data, save_dir, max_update, extra=()):
 @pytest.fixture(scope="module")
 def lm_runs(lm_data_bin, tmp_path_factory):
     root = tmp_path_factory.mktemp("coupled_lm")
-    dirs = {name: str(root / name) for name in ("straight", "resumed", "reset")}
+    dirs = {name: str(root / name) for name in ("straight", "resumed", "reset", "authors_decay")}
     straight = lm_train(lm_data_bin, dirs["straight"], 4)
+    authors_decay = lm_train(lm_data_bin, dirs["authors_decay"], 3, ["--coupled-adam-decay", "non-embedding-matrices"])
     lm_train(lm_data_bin, dirs["resumed"], 2)
     resumed = lm_train(lm_data_bin, dirs["resumed"], 4)
     reset = lm_train(lm_data_bin, dirs["reset"], 3, [
         "--restore-file", os.path.join(dirs["straight"], "checkpoint_1_2.pt"), "--reset-optimizer",
         "--optimizer", "adam"])
-    return {"dirs": dirs, "straight": straight, "resumed": resumed, "reset": reset}
+    return {"dirs": dirs, "straight": straight, "resumed": resumed, "reset": reset, "authors_decay": authors_decay}
 
 
 def test_lm_run_with_agg_couples_the_tied_matrix_and_each_update_follows_the_formula(lm_runs, lm_data_bin):
     out = lm_runs["straight"].stdout + lm_runs["straight"].stderr
     assert "coupled_adam: the " in out and "decoder.embed_tokens.weight = decoder.output_projection.weight" in out
     assert "agg_rare" in out  # AGG ran
-    # the optimizer state is indexed like the Trainer's parameter list: the model's, then the criterion's
-    _, _, model, _ = build_parts(lm_data_bin, TINY_LM_ARGS, [], splits=())  # the same model
-    index = {name: i for i, (name, p) in enumerate(model.named_parameters()) if p.requires_grad}
     embedding, other = "decoder.embed_tokens.weight", "decoder.layers.0.fc1.weight"
-    for k in (1, 2, 3):
-        before = load(os.path.join(lm_runs["dirs"]["straight"], f"checkpoint_1_{k}.pt"))
-        after = load(os.path.join(lm_runs["dirs"]["straight"], f"checkpoint_1_{k + 1}.pt"))
+    assert_updates_follow_formula(lm_runs["dirs"]["straight"], lm_data_bin, 4,
+                                  {embedding: (True, True), other: (False, True)})
+
+
+def test_lm_run_in_the_authors_decay_setting_decays_only_the_other_matrices(lm_runs, lm_data_bin):
+    out = lm_runs["authors_decay"].stdout + lm_runs["authors_decay"].stderr
+    assert "weight decay skips the coupled matrices and" in out
+    # {name: (coupled, decayed)}: the tied embedding and a bias undecayed, the other matrix decayed
+    assert_updates_follow_formula(lm_runs["dirs"]["authors_decay"], lm_data_bin, 3, {
+        "decoder.embed_tokens.weight": (True, False), "decoder.layers.0.fc1.bias": (False, False),
+        "decoder.layers.0.self_attn_layer_norm.weight": (False, False),
+        "decoder.layers.0.fc1.weight": (False, True)})
+
+
+def assert_updates_follow_formula(save_dir, data, last_update, expected):
+    """Each update k -> k + 1 of the run in ``save_dir`` (checkpoint_1_K.pt) moved each parameter of
+    ``expected`` ({name: (coupled, decayed)}) as Coupled Adam's formula says, from the saved state."""
+    # the optimizer state is indexed like the Trainer's parameter list: the model's, then the criterion's
+    _, _, model, _ = build_parts(data, TINY_LM_ARGS, [], splits=())  # the same model
+    index = {name: i for i, (name, p) in enumerate(model.named_parameters()) if p.requires_grad}
+    for k in range(1, last_update):
+        before = load(os.path.join(save_dir, f"checkpoint_1_{k}.pt"))
+        after = load(os.path.join(save_dir, f"checkpoint_1_{k + 1}.pt"))
         group = before["last_optimizer_state"]["param_groups"][0]  # the lr of update k + 1
         lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        for name, coupled in ((embedding, True), (other, False)):
+        assert wd > 0
+        for name, (coupled, decayed) in expected.items():
             state = after["last_optimizer_state"]["state"][index[name]]
             t, m, v = state["step"], state["exp_avg"].double(), state["exp_avg_sq"].double()
             assert t == k + 1
@@ -286,8 +377,9 @@ def test_lm_run_with_agg_couples_the_tied_matrix_and_each_update_follows_the_for
             if coupled:
                 v_hat = v_hat.mean(dim=0, keepdim=True)
             w = before["model"][name].double()
-            expected = w - lr * wd * w - lr * (m / (1 - b1 ** t)) / (v_hat.sqrt() + eps / math.sqrt(1 - b2 ** t))
-            torch.testing.assert_close(after["model"][name].double(), expected, rtol=0, atol=1e-6)
+            decay = lr * wd * w if decayed else 0
+            expected_w = w - decay - lr * (m / (1 - b1 ** t)) / (v_hat.sqrt() + eps / math.sqrt(1 - b2 ** t))
+            torch.testing.assert_close(after["model"][name].double(), expected_w, rtol=0, atol=1e-6)
         assert after["optimizer_history"][-1]["optimizer_name"] == "FairseqCoupledAdam"
 
 
@@ -359,6 +451,7 @@ REFUSED = [  # (case id, extra flags, untied, text the error must name)
     ("scale-nan", ["--coupled-adam-scale", "nan"], False, "--coupled-adam-scale"),
     ("scale-inf", ["--coupled-adam-scale", "inf"], False, "--coupled-adam-scale"),
     ("matrices-unknown", ["--coupled-adam-matrices", "both"], False, "--coupled-adam-matrices"),
+    ("decay-unknown", ["--coupled-adam-decay", "none"], False, "--coupled-adam-decay"),
     ("no-output-matrix", ADAPTIVE_SOFTMAX + ["--coupled-adam-matrices", "output"], True, "--coupled-adam-matrices"),
     ("no-matrix-at-all", ADAPTIVE_SOFTMAX + ["--adaptive-input", "--adaptive-input-cutoff", "50,100"], True,
      "--coupled-adam-matrices"),

@@ -66,27 +66,42 @@ class CoupledAdam(torch.optim.Optimizer):
     coupled this is fairseq's Adam, bit for bit. The coupling is not part of the state dict: it is
     given again when the optimizer is built, so a checkpoint of fairseq's ``adam`` loads here and
     the other way round.
+
+    ``undecayed``: parameters, or (parameter, :class:`CoupledBlock`) pairs for tensors inside a
+    flat parameter, that ``weight_decay`` does not reach (the authors' setting leaves the token
+    embedding and the 1-D parameters undecayed; docs/coupled_adam.md, "Weight decay").
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 coupled: Iterable[Coupled] = (), coupling_scale: float = 1.0):
+                 coupled: Iterable[Coupled] = (), coupling_scale: float = 1.0, undecayed: Iterable[Coupled] = ()):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         if not (math.isfinite(coupling_scale) and coupling_scale > 0):
             raise ValueError(f"coupling_scale must be a finite number > 0, got {coupling_scale}")
         self.coupling_scale = float(coupling_scale)
-        optimized = {id(p) for group in self.param_groups for p in group["params"]}
         self.coupled_blocks = {}  # parameter -> [CoupledBlock]
         for item in coupled:
             param, block = item if isinstance(item, tuple) else (item, None)
-            if block is None:
-                if param.dim() != 2:
-                    raise ValueError(f"a coupled matrix must be 2-D (V x d), got shape {tuple(param.shape)}")
-                block = CoupledBlock(0, param.shape[0], param.shape[1])
-            if id(param) not in optimized:
-                raise ValueError("a coupled matrix must be one of the optimized parameters")
-            if not param.is_contiguous() or block.offset < 0 or block.offset + block.rows * block.cols > param.numel():
-                raise ValueError(f"{block} does not lie in its parameter (contiguous, {param.numel()} elements)")
-            self.coupled_blocks.setdefault(param, []).append(block)
+            if block is None and param.dim() != 2:
+                raise ValueError(f"a coupled matrix must be 2-D (V x d), got shape {tuple(param.shape)}")
+            self.coupled_blocks.setdefault(param, []).append(self._block_in(param, block, "a coupled matrix"))
+        # ``undecayed``: tensors (or blocks of a flat parameter) that weight decay skips. Torch's
+        # parameter groups do that for whole parameters; a block is needed for fairseq's --fp16,
+        # whose one flat fp32 parameter holds decayed and undecayed tensors side by side.
+        self.undecayed_blocks = {}  # parameter -> [CoupledBlock]
+        for item in undecayed:
+            param, block = item if isinstance(item, tuple) else (item, None)
+            self.undecayed_blocks.setdefault(param, []).append(self._block_in(param, block, "an undecayed tensor"))
+
+    def _block_in(self, param, block, what):
+        """``block`` (None: the whole of ``param``, as one matrix), checked to lie in ``param``, an
+        optimized parameter."""
+        if not any(param is p for group in self.param_groups for p in group["params"]):
+            raise ValueError(f"{what} must be one of the optimized parameters")
+        if block is None:
+            block = CoupledBlock(0, param.shape[0] if param.dim() else 1, param[0].numel() if param.dim() else 1)
+        if not param.is_contiguous() or block.offset < 0 or block.offset + block.rows * block.cols > param.numel():
+            raise ValueError(f"{block} does not lie in its parameter (contiguous, {param.numel()} elements)")
+        return block
 
     @property
     def supports_memory_efficient_fp16(self):
@@ -141,7 +156,11 @@ class CoupledAdam(torch.optim.Optimizer):
         bias_correction2 = 1 - beta2 ** state["step"]
         step_size = group["lr"] * math.sqrt(bias_correction2) / bias_correction1
         if group["weight_decay"] != 0:
+            skipped = self.undecayed_blocks.get(p, ())
+            kept = [block.view(param).clone() for block in skipped]
             param.add_(param, alpha=-group["weight_decay"] * group["lr"])
+            for block, values in zip(skipped, kept):  # as if never decayed: the same bits
+                block.view(param).copy_(values)
         param.addcdiv_(exp_avg, denominator, value=-step_size)
         if p.data.dtype in LOW_PRECISION:
             p.data.copy_(param)

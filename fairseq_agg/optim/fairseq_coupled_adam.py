@@ -4,7 +4,8 @@ token-embedding matrices (Stollenwerk & Stollenwerk, ACL 2025; docs/coupled_adam
 Same flags and defaults as ``adam`` (``--adam-betas``, ``--adam-eps``, ``--weight-decay``, the
 learning rate and its schedulers; the update of every other parameter is adam's, bit for bit),
 and the same ``--fp16`` / ``--memory-efficient-fp16`` / ``--amp`` support, plus
-``--coupled-adam-matrices`` and ``--coupled-adam-scale``. fairseq builds an optimizer from a bare
+``--coupled-adam-matrices``, ``--coupled-adam-scale`` and ``--coupled-adam-decay`` (which parameters
+``--weight-decay`` reaches). fairseq builds an optimizer from a bare
 parameter list; which of those tensors are the embedding matrices is read from the model that
 fairseq's Trainer is building the optimizer for (``fairseq_facts.optimizer_params.locate_model_parameters``), and
 which tensors of the model are embedding matrices is the statistics' own rule
@@ -22,12 +23,14 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq.optim import FairseqOptimizer, register_optimizer
 from fairseq.optim.adam import FairseqAdam, FairseqAdamConfig
 
-from ..errors import UsageError, check_number
+from ..errors import UsageError, check_choice, check_number
 from ..fairseq_facts.optimizer_params import locate_model_parameters
 from ..stats.matrices import MATRIX_CHOICES, embedding_matrices
 from .coupled_adam import CoupledAdam, CoupledBlock
 
 logger = logging.getLogger(__name__)
+
+DECAY_CHOICES = ("all", "non-embedding-matrices")
 
 
 @dataclass
@@ -51,6 +54,12 @@ class CoupledAdamConfig(FairseqAdamConfig):
         metadata={"help": "s: the coupled second moment is s times its mean over the rows (> 0; "
                   "avg_scale of the authors' code, default 1)"},
     )
+    coupled_adam_decay: ChoiceEnum(list(DECAY_CHOICES)) = field(
+        default="all",
+        metadata={"help": "the parameters that --weight-decay reaches: all (as fairseq's adam) or "
+                  "non-embedding-matrices (the authors' setting: the model's 2-D parameters other than "
+                  "the coupled matrices; the coupled matrices and the 1-D parameters are not decayed)"},
+    )
 
 
 @register_optimizer("coupled_adam", dataclass=CoupledAdamConfig)
@@ -62,15 +71,16 @@ class FairseqCoupledAdam(FairseqAdam):
     def __init__(self, cfg: CoupledAdamConfig, params):
         FairseqOptimizer.__init__(self, cfg)  # not FairseqAdam's, which builds its own torch optimizer
         scale = check_number("coupled_adam_scale", cfg.coupled_adam_scale, 0, None, low_open=True)
-        which = str(getattr(cfg.coupled_adam_matrices, "value", cfg.coupled_adam_matrices))
-        if which not in MATRIX_CHOICES:
-            raise UsageError(f"--coupled-adam-matrices must be one of {', '.join(MATRIX_CHOICES)}, got {which!r}")
+        which = check_choice("coupled_adam_matrices", cfg.coupled_adam_matrices, MATRIX_CHOICES)
+        decay = check_choice("coupled_adam_decay", cfg.coupled_adam_decay, DECAY_CHOICES)
         if cfg.fp16_adam_stats:
             raise UsageError("--fp16-adam-stats needs fairseq's FusedAdam; --optimizer coupled_adam keeps "
                              "fp32 statistics (drop the flag)")
         params = list(params)
-        self._optimizer = CoupledAdam(params, coupled=coupled_matrices(params, which, scale),
-                                      coupling_scale=scale, **self.optimizer_config)
+        coupled = coupled_matrices(params, which, scale)
+        undecayed = undecayed_tensors(params, coupled) if decay == "non-embedding-matrices" else []
+        self._optimizer = CoupledAdam(params, coupled=coupled, coupling_scale=scale, undecayed=undecayed,
+                                      **self.optimizer_config)
 
 
 def coupled_matrices(params, which, scale):
@@ -97,3 +107,14 @@ def coupled_matrices(params, which, scale):
         logger.info(f"coupled_adam: the {rows} rows of {names} ({rows} x {cols}) share one second moment "
                     f"per dimension, scale {scale:g}")
     return coupled
+
+
+def undecayed_tensors(params, coupled):
+    """[(optimizer tensor, CoupledBlock)] that weight decay skips in the authors' setting: the
+    ``coupled`` matrices and the model's 1-D parameters (biases, layer-norm gains and biases)."""
+    model, located = locate_model_parameters(params)
+    one_dimensional = [p for p in model.parameters() if p.requires_grad and p.dim() < 2 and p in located]
+    blocks = [(located[p][0], CoupledBlock(located[p][1], p.numel(), 1)) for p in one_dimensional]
+    logger.info(f"coupled_adam: weight decay skips the coupled matrices and {len(one_dimensional)} 1-D "
+                "parameters (--coupled-adam-decay non-embedding-matrices)")
+    return list(coupled) + blocks
