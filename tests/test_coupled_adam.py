@@ -119,17 +119,25 @@ def test_matrix_inside_a_flat_parameter_is_coupled_like_a_separate_one():
     params = start_params()
     grads = random_grads(params, 4)
     separate, _ = run(CoupledAdam, params, grads, coupled_indices=[0])
-    # fairseq's --fp16 layout: one flat fp32 tensor, here [bias | matrix | weight]
+    flat = run_in_flat_parameter(params, grads, lambda matrix, bias: {"coupled": [matrix]})
+    for i in range(3):
+        assert torch.equal(flat[i], separate[i].detach()), i
+
+
+def run_in_flat_parameter(params, grads, blocks):
+    """``run`` with ``params`` in fairseq's --fp16 layout, one flat fp32 tensor, here
+    [bias | matrix | weight]; ``blocks(matrix, bias)``, given those two as (flat, CoupledBlock),
+    returns the optimizer's block arguments. The parameters afterwards, in ``params``' order."""
     order = [2, 0, 1]
     flat = torch.nn.Parameter(torch.cat([params[i].reshape(-1) for i in order]))
-    opt = CoupledAdam([flat], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                      coupled=[(flat, CoupledBlock(params[2].numel(), *params[0].shape))])
+    matrix = (flat, CoupledBlock(params[2].numel(), *params[0].shape))
+    bias = (flat, CoupledBlock(0, params[2].numel(), 1))
+    opt = CoupledAdam([flat], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **blocks(matrix, bias))
     for step_grads in grads:
         flat.grad = torch.cat([step_grads[i].reshape(-1) for i in order])
         opt.step()
-    pieces = torch.split(flat.detach(), [params[i].numel() for i in order])
-    for i, piece in zip(order, pieces):
-        assert torch.equal(piece.view(params[i].shape), separate[i].detach()), i
+    pieces = dict(zip(order, torch.split(flat.detach(), [params[i].numel() for i in order])))
+    return [pieces[i].view(params[i].shape) for i in range(len(params))]
 
 
 def test_undecayed_tensors_are_left_as_torchs_parameter_groups_leave_them():
@@ -149,17 +157,10 @@ def test_undecayed_tensors_are_left_as_torchs_parameter_groups_leave_them():
     for i in range(3):
         assert torch.equal(separate[i], grouped[i]), i
     assert not torch.equal(separate[0], decayed_everywhere[0]) and torch.equal(separate[1], decayed_everywhere[1])
-    order = [2, 0, 1]  # fairseq's --fp16 layout, as above: [bias | matrix | weight]
-    flat = torch.nn.Parameter(torch.cat([params[i].reshape(-1) for i in order]))
-    matrix = (flat, CoupledBlock(params[2].numel(), *params[0].shape))
-    opt = CoupledAdam([flat], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, coupled=[matrix],
-                      undecayed=[matrix, (flat, CoupledBlock(0, params[2].numel(), 1))])
-    for step_grads in grads:
-        flat.grad = torch.cat([step_grads[i].reshape(-1) for i in order])
-        opt.step()
-    pieces = torch.split(flat.detach(), [params[i].numel() for i in order])
-    for i, piece in zip(order, pieces):
-        assert torch.equal(piece.view(params[i].shape), grouped[i].detach()), i
+    flat = run_in_flat_parameter(params, grads, lambda matrix, bias: {"coupled": [matrix],
+                                                                      "undecayed": [matrix, bias]})
+    for i in range(3):
+        assert torch.equal(flat[i], grouped[i].detach()), i
 
 
 @pytest.mark.parametrize("case,message", [
