@@ -113,32 +113,42 @@ is_dry_run() { [[ "${dry_run:-0}" == 1 || "${DRY_RUN:-0}" == 1 ]]; }
 # check_launch: validates the launch flags of the train.sh recipes and sets world (= $nodes x
 # $gpus, the data-parallel ranks) and launcher. Reads nodes (--nodes, >= 1), gpus (--gpus, GPUs
 # per node, >= 1), launcher (--launcher: fairseq, torchrun or slurm; empty = fairseq on one node,
-# torchrun on several), rdzv_endpoint (--rdzv-endpoint HOST:PORT, torchrun only; required on
-# several nodes, localhost:29500 on one) and distributed_port (--distributed-port, slurm only;
-# empty = 29500). A flag of another launcher is an error naming both.
+# torchrun on several, or slurm there when only --distributed-port is given; "both" on several
+# with --dry-run and neither launcher's flag: the torchrun command and the SLURM script are printed), rdzv_endpoint (--rdzv-endpoint HOST:PORT, torchrun only; required to run on
+# several nodes, localhost:29500 on one, the placeholder first-node:29500 when both are printed)
+# and distributed_port (--distributed-port, slurm only; empty = 29500). A flag of another launcher
+# is an error naming both.
 check_launch() {
   need_int --nodes "$nodes" 1
   need_int --gpus "$gpus" 1
   world=$(( nodes * gpus ))
-  [[ -n "$launcher" ]] || { if (( nodes == 1 )); then launcher=fairseq; else launcher=torchrun; fi; }
+  if [[ -z "$launcher" ]]; then
+    if (( nodes == 1 )); then launcher=fairseq
+    elif [[ -n "$distributed_port" && -z "$rdzv_endpoint" ]]; then launcher=slurm  # named by its flag
+    elif is_dry_run && [[ -z "$rdzv_endpoint" ]]; then launcher=both
+    else launcher=torchrun; fi
+  fi
   case "$launcher" in
     fairseq) (( nodes == 1 )) || die "--launcher fairseq starts processes on this node only; --nodes $nodes needs \
 --launcher torchrun or slurm" ;;
-    torchrun|slurm) ;;
+    torchrun|slurm|both) ;;
     *) die "--launcher must be fairseq, torchrun or slurm, got '$launcher'" ;;
   esac
-  if [[ "$launcher" == torchrun ]]; then
+  if [[ "$launcher" == torchrun || "$launcher" == both ]]; then
     if [[ -z "$rdzv_endpoint" ]]; then
-      (( nodes == 1 )) || die "--launcher torchrun on --nodes $nodes needs --rdzv-endpoint HOST:PORT (a host every node \
-reaches, e.g. the first node)"
-      rdzv_endpoint=localhost:29500
+      if [[ "$launcher" == both ]]; then rdzv_endpoint=first-node:29500
+      else
+        (( nodes == 1 )) || die "--launcher torchrun on --nodes $nodes needs --rdzv-endpoint HOST:PORT (a host every \
+node reaches, e.g. the first node)"
+        rdzv_endpoint=localhost:29500
+      fi
     fi
     [[ "$rdzv_endpoint" =~ ^[^:[:space:]]+:([0-9]+)$ ]] && (( 10#${BASH_REMATCH[1]} >= 1 && 10#${BASH_REMATCH[1]} <= 65535 )) \
       || die "--rdzv-endpoint must be HOST:PORT with a port in 1..65535, got '$rdzv_endpoint'"
   elif [[ -n "$rdzv_endpoint" ]]; then
     die "--rdzv-endpoint is for --launcher torchrun (the launcher is $launcher)"
   fi
-  if [[ "$launcher" == slurm ]]; then
+  if [[ "$launcher" == slurm || "$launcher" == both ]]; then
     distributed_port="${distributed_port:-29500}"
     [[ "$distributed_port" =~ ^[0-9]+$ ]] && (( 10#$distributed_port >= 1 && 10#$distributed_port <= 65535 )) \
       || die "--distributed-port must be an integer in 1..65535, got '$distributed_port'"
@@ -189,8 +199,6 @@ paper's $paper_tokens tokens per update in micro-batches of whole $unit-token un
     micro=$(( largest * unit )); freq=$(( units / largest ))
   fi
   batch=(--max-tokens "$micro" --update-freq "$freq" --distributed-world-size "$world")
-  # under srun fairseq meets on the first node of SLURM's node list at this port
-  [[ "$launcher" != slurm ]] || batch+=(--distributed-port "$distributed_port")
   micro="$(flag_value --max-tokens "$micro" "${extra[@]}")"
   freq="$(flag_value --update-freq "$freq" "${extra[@]}")"
   local ranks product
@@ -232,32 +240,65 @@ method_criterion() {
   if (( stats > 0 )); then crit+=(--embed-stats-interval "$stats"); fi
 }
 
-# run_train CMD...: the fairseq-train command CMD, started by $launcher: as it is (fairseq spawns
-# one process per GPU of this node), under torchrun (the same command on every node; fairseq
-# reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT and initialises env://) or under srun (one
-# task per GPU; fairseq reads SLURM_STEP_NODELIST, SLURM_PROCID and SLURM_LOCALID and meets on the
-# first node at --distributed-port). When is_dry_run, prints the command (for slurm: an sbatch
-# script) and exits; otherwise creates $save_dir and runs it.
-run_train() {
-  local cmd=("$@") torchrun="$bindir/torchrun"
+# launch_command LAUNCHER: sets launch_cmd to the fairseq-train command cmd started by LAUNCHER:
+# as it is (fairseq spawns one process per GPU of this node), under torchrun (the same command on
+# every node; fairseq reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT and initialises env://)
+# or under srun (one task per GPU; fairseq reads SLURM_STEP_NODELIST, SLURM_PROCID and
+# SLURM_LOCALID and meets on the first node at --distributed-port).
+launch_command() {
+  local torchrun="$bindir/torchrun"
   [[ -x "$torchrun" ]] || torchrun=torchrun
-  case "$launcher" in
-    torchrun)
-      cmd=("$torchrun" --nnodes "$nodes" --nproc-per-node "$gpus" --rdzv-backend c10d
-           --rdzv-endpoint "$rdzv_endpoint" "${cmd[@]}") ;;
-    slurm)
-      cmd=(srun --nodes "$nodes" --ntasks-per-node "$gpus" --gres "gpu:$gpus" "${cmd[@]}") ;;
+  case "$1" in
+    torchrun) launch_cmd=("$torchrun" --nnodes "$nodes" --nproc-per-node "$gpus" --rdzv-backend c10d
+                          --rdzv-endpoint "$rdzv_endpoint" "${cmd[@]}") ;;
+    slurm)  # under srun fairseq meets on the first node of SLURM's node list at --distributed-port,
+            # given after the world size (so that a value after -- still wins)
+      launch_cmd=(srun --nodes "$nodes" --ntasks-per-node "$gpus" --gres "gpu:$gpus")
+      local i
+      for (( i = 0; i < ${#cmd[@]}; i++ )); do
+        launch_cmd+=("${cmd[i]}")
+        if [[ "${cmd[i]}" == --distributed-world-size ]]; then
+          launch_cmd+=("${cmd[i + 1]}" --distributed-port "$distributed_port"); i=$(( i + 1 ))
+        fi
+      done ;;
+    *) launch_cmd=("${cmd[@]}") ;;
   esac
+}
+
+# print_launch LAUNCHER: the command of launch_command on stdout, for slurm as an sbatch script.
+print_launch() {
+  launch_command "$1"
+  if [[ "$1" == slurm ]]; then
+    printf '#!/bin/bash\n#SBATCH --nodes=%s\n#SBATCH --ntasks-per-node=%s\n#SBATCH --gres=gpu:%s\n' \
+      "$nodes" "$gpus" "$gpus"
+    printf 'mkdir -p %q\n' "$save_dir"
+  fi
+  printf '%q ' "${launch_cmd[@]}"; echo
+}
+
+# run_train CMD...: runs the fairseq-train command CMD under $launcher (launch_command). When
+# is_dry_run, prints it instead (print_launch; launcher "both": the torchrun command, then the
+# sbatch script, each after a comment line) and exits; otherwise creates $save_dir and runs it.
+run_train() {
+  local cmd=("$@")
   if is_dry_run; then
-    if [[ "$launcher" == slurm ]]; then
-      printf '#!/bin/bash\n#SBATCH --nodes=%s\n#SBATCH --ntasks-per-node=%s\n#SBATCH --gres=gpu:%s\n' \
-        "$nodes" "$gpus" "$gpus"
-      printf 'mkdir -p %q\n' "$save_dir"
+    if [[ "$launcher" == both ]]; then
+      if [[ "$rdzv_endpoint" == first-node:* ]]; then
+        echo "# torchrun: run this command on each of the $nodes nodes, first-node replaced by a host every node" \
+             "reaches (or pass --rdzv-endpoint HOST:PORT)"
+      else
+        echo "# torchrun: run this command on each of the $nodes nodes"
+      fi
+      print_launch torchrun
+      echo "# or SLURM: save the lines below as a script and submit it with sbatch (--launcher slurm prints only it)"
+      print_launch slurm
+    else
+      (( nodes == 1 )) || [[ "$launcher" != torchrun ]] || echo "[train] run this command on each of the $nodes nodes" >&2
+      print_launch "$launcher"
     fi
-    (( nodes == 1 )) || [[ "$launcher" != torchrun ]] || echo "[train] run this command on each of the $nodes nodes" >&2
-    printf '%q ' "${cmd[@]}"; echo
     exit 0
   fi
+  launch_command "$launcher"
   mkdir -p "$save_dir"
-  exec "${cmd[@]}"
+  exec "${launch_cmd[@]}"
 }

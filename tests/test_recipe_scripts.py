@@ -162,6 +162,29 @@ def test_train_sh_launchers(repo_root, recipe, tmp_path):
     assert not (tmp_path / "save").exists()  # printed, not run
     # --dry-run and DRY_RUN=1 print the same command
     assert run_script(script, ["agg", "--dry-run"]).stdout == run_script(script, ["agg"], dry_run=True).stdout
+    # several machines and no launcher named, printed: the torchrun command and the sbatch script,
+    # each as its own launcher prints it (the rendezvous host a placeholder when none is given)
+    both = run_script(script, ["agg", "--nodes", "2", "--gpus", "8", "--dry-run"], SAVE_DIR=str(tmp_path / "save"))
+    assert both.returncode == 0, both.stderr
+    torchrun_part, slurm_part = both.stdout.split("# or SLURM: ")
+    assert torchrun_part.startswith("# torchrun: run this command on each of the 2 nodes, first-node replaced by")
+    alone = run_script(script, ["agg", "--nodes", "2", "--gpus", "8", "--launcher", "torchrun",
+                                "--rdzv-endpoint", "first-node:29500", "--dry-run"], SAVE_DIR=str(tmp_path / "save"))
+    assert torchrun_part.splitlines()[1:] == alone.stdout.splitlines()
+    alone = run_script(script, ["agg", "--nodes", "2", "--gpus", "8", "--launcher", "slurm", "--dry-run"],
+                       SAVE_DIR=str(tmp_path / "save"))
+    assert slurm_part.splitlines()[1:] == alone.stdout.splitlines()
+    assert value_of(fairseq_args(slurm_part.splitlines()[-1]), "--distributed-port") == "29500"
+    assert "--distributed-port" not in torchrun_part  # torchrun's processes meet by env://
+    assert not (tmp_path / "save").exists()
+    # ... and run rather than printed (on prepared data), torchrun needs the rendezvous host
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("dict.txt", "dict.en.txt"):
+        (data / name).write_text("a 1\n")
+    proc = run_script(script, ["agg", "--nodes", "2"], SAVE_DIR=str(tmp_path / "save"), DATA_BIN=str(data))
+    assert "--launcher torchrun on --nodes 2 needs --rdzv-endpoint HOST:PORT" in one_error_line(proc, "train.sh")
+    assert not (tmp_path / "save").exists()
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -173,7 +196,7 @@ def test_train_sh_launchers(repo_root, recipe, tmp_path):
     (["--launcher", "mpirun"], "--launcher must be fairseq, torchrun or slurm, got 'mpirun'"),
     (["--nodes", "2", "--launcher", "fairseq"], "--launcher fairseq starts processes on this node only; --nodes 2 "
                                                  "needs --launcher torchrun or slurm"),
-    (["--nodes", "2"], "--launcher torchrun on --nodes 2 needs --rdzv-endpoint HOST:PORT"),
+    (["--nodes", "2", "--launcher", "torchrun"], "--launcher torchrun on --nodes 2 needs --rdzv-endpoint HOST:PORT"),
     (["--launcher", "torchrun", "--rdzv-endpoint", "node1"], "--rdzv-endpoint must be HOST:PORT with a port in "
                                                               "1..65535, got 'node1'"),
     (["--launcher", "torchrun", "--rdzv-endpoint", "node1:70000"], "got 'node1:70000'"),
