@@ -330,3 +330,8 @@ def test_demo_quick_on_the_real_corpus(tmp_path, run_demo):
     if "agg" in res["methods"] and "baseline" in res["methods"]:
         # AGG's gating keeps the rare embeddings from collapsing together: the paper's isotropy effect
         assert res["results"]["agg"][0]["isotropy"] > res["results"]["baseline"][0]["isotropy"]
+    # AGG's counts at the demo's own settings stay below the size its criterion warns about (the
+    # default mode counts over the same window: one epoch of the same 1,024-token updates)
+    train_logs = [p.read_text(errors="replace") for p in work.rglob("train.log")]
+    assert "agg" in res["methods"] and len(train_logs) == len(res["methods"])
+    assert not any("MiB to every checkpoint" in text for text in train_logs)
