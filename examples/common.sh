@@ -122,6 +122,10 @@ check_launch() {
   need_int --nodes "$nodes" 1
   need_int --gpus "$gpus" 1
   world=$(( nodes * gpus ))
+  case "$launcher" in
+    ""|fairseq|torchrun|slurm) ;;
+    *) die "--launcher must be fairseq, torchrun or slurm, got '$launcher'" ;;
+  esac
   if [[ -z "$launcher" ]]; then
     if (( nodes == 1 )); then launcher=fairseq
     elif [[ -n "$distributed_port" && -z "$rdzv_endpoint" ]]; then launcher=slurm  # named by its flag
@@ -131,8 +135,7 @@ check_launch() {
   case "$launcher" in
     fairseq) (( nodes == 1 )) || die "--launcher fairseq starts processes on this node only; --nodes $nodes needs \
 --launcher torchrun or slurm" ;;
-    torchrun|slurm|both) ;;
-    *) die "--launcher must be fairseq, torchrun or slurm, got '$launcher'" ;;
+    torchrun|slurm|both) ;;  # both: only chosen above, never a user's value
   esac
   if [[ "$launcher" == torchrun || "$launcher" == both ]]; then
     if [[ -z "$rdzv_endpoint" ]]; then
@@ -252,13 +255,13 @@ launch_command() {
     torchrun) launch_cmd=("$torchrun" --nnodes "$nodes" --nproc-per-node "$gpus" --rdzv-backend c10d
                           --rdzv-endpoint "$rdzv_endpoint" "${cmd[@]}") ;;
     slurm)  # under srun fairseq meets on the first node of SLURM's node list at --distributed-port,
-            # given after the world size (so that a value after -- still wins)
+            # given after the recipe's world size, before the flags after -- (so that theirs win)
       launch_cmd=(srun --nodes "$nodes" --ntasks-per-node "$gpus" --gres "gpu:$gpus")
-      local i
+      local i placed=0
       for (( i = 0; i < ${#cmd[@]}; i++ )); do
         launch_cmd+=("${cmd[i]}")
-        if [[ "${cmd[i]}" == --distributed-world-size ]]; then
-          launch_cmd+=("${cmd[i + 1]}" --distributed-port "$distributed_port"); i=$(( i + 1 ))
+        if (( ! placed )) && [[ "${cmd[i]}" == --distributed-world-size ]]; then
+          launch_cmd+=("${cmd[i + 1]}" --distributed-port "$distributed_port"); i=$(( i + 1 )); placed=1
         fi
       done ;;
     *) launch_cmd=("${cmd[@]}") ;;
@@ -283,12 +286,8 @@ run_train() {
   local cmd=("$@")
   if is_dry_run; then
     if [[ "$launcher" == both ]]; then
-      if [[ "$rdzv_endpoint" == first-node:* ]]; then
-        echo "# torchrun: run this command on each of the $nodes nodes, first-node replaced by a host every node" \
-             "reaches (or pass --rdzv-endpoint HOST:PORT)"
-      else
-        echo "# torchrun: run this command on each of the $nodes nodes"
-      fi
+      echo "# torchrun: run this command on each of the $nodes nodes, first-node replaced by a host every node" \
+           "reaches (or pass --rdzv-endpoint HOST:PORT)"
       print_launch torchrun
       echo "# or SLURM: save the lines below as a script and submit it with sbatch (--launcher slurm prints only it)"
       print_launch slurm

@@ -1,6 +1,7 @@
 """The README stays short and true: its set-up commands and requirements are those of the project's
 files, and every link in it and in docs/ points at a file that exists. (The flag reference is
-docs/flags.md, checked against the dataclasses in tests/test_flags_reference.py.)"""
+docs/flags.md, checked against the dataclasses in tests/test_flags_reference.py.) Its fairseq-train
+snippets are the recipes' commands."""
 import os
 import re
 
@@ -85,3 +86,42 @@ def test_api_combining_methods_snippet_runs_as_written():
     gates, frozen = namespace["gates"], namespace["freeze"].rows(namespace["u"], namespace["gates"])
     assert torch.equal(frozen, gates.rare) and gates.rare.any()
     assert torch.isfinite(namespace["out"].loss) and namespace["h"].grad is not None
+
+
+def _flag_values(words):
+    """{flag: value or None} of a fairseq-train command's words after the executable."""
+    aliases = {"-s": "--source-lang", "-t": "--target-lang"}
+    out, i = {}, 0
+    while i < len(words):
+        flag = aliases.get(words[i], words[i])
+        if flag.startswith("-") and i + 1 < len(words) and not words[i + 1].startswith("--"):
+            out[flag] = words[i + 1]
+            i += 2
+        else:
+            out[flag] = None
+            i += 1
+    return out
+
+
+@pytest.mark.parametrize("recipe, method", [("wikitext103", ["agg"]), ("wmt14_en_de", ["agg", "base"])])
+def test_readme_training_commands_are_the_recipes(readme, recipe, method, tmp_path):
+    """The README's fairseq-train snippet of a recipe trains with the recipe's own flags: those of
+    `train.sh ... --dry-run`, less where it writes and logs, plus --fp16, which the recipe adds on a
+    GPU."""
+    import shlex
+    import subprocess
+    import sys
+
+    text = readme.replace("\\\n", " ")
+    line = next(ln for ln in text.splitlines() if ln.startswith(f"fairseq-train data/{recipe}/data-bin "))
+    documented = _flag_values(shlex.split(line)[2:])  # after fairseq-train and the data path
+    dry_run = subprocess.run(["bash", os.path.join(REPO, "examples", recipe, "train.sh"), *method, "--dry-run"],
+                             capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHON=sys.executable))
+    words = shlex.split(dry_run.stdout.splitlines()[-1])
+    start = next(i for i, w in enumerate(words) if w.endswith("/fairseq-train"))
+    recipe_flags = _flag_values(words[start + 2:])
+    where = {"--user-dir", "--save-dir", "--seed", "--log-format", "--log-interval", "--distributed-world-size"}
+    assert documented.pop("--fp16", "missing") is None
+    assert {k: v for k, v in documented.items() if k not in where} == \
+        {k: v for k, v in recipe_flags.items() if k not in where and k != "--fp16"}
+    assert documented["--save-dir"] == os.path.relpath(recipe_flags["--save-dir"], REPO)

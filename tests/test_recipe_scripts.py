@@ -160,6 +160,11 @@ def test_train_sh_launchers(repo_root, recipe, tmp_path):
     args = fairseq_args(lines[5])
     assert value_of(args, "--distributed-world-size") == "32" and value_of(args, "--distributed-port") == "12345"
     assert not (tmp_path / "save").exists()  # printed, not run
+    # a port after -- is fairseq-train's last word, so it wins over the launcher's
+    overridden = run_script(script, ["agg", "--nodes", "4", "--gpus", "8", "--launcher", "slurm", "--dry-run", "--",
+                                     "--distributed-port", "1234"])
+    args = fairseq_args(overridden.stdout.splitlines()[-1])
+    assert args.count("--distributed-port") == 2 and args[::-1].index("1234") < args[::-1].index("29500")
     # --dry-run and DRY_RUN=1 print the same command
     assert run_script(script, ["agg", "--dry-run"]).stdout == run_script(script, ["agg"], dry_run=True).stdout
     # several machines and no launcher named, printed: the torchrun command and the sbatch script,
@@ -194,6 +199,7 @@ def test_train_sh_launchers(repo_root, recipe, tmp_path):
     (["--gpus", "0"], "--gpus must be an integer >= 1, got '0'"),
     (["--update-freq", "x"], "--update-freq must be an integer >= 1, got 'x'"),
     (["--launcher", "mpirun"], "--launcher must be fairseq, torchrun or slurm, got 'mpirun'"),
+    (["--launcher", "both"], "--launcher must be fairseq, torchrun or slurm, got 'both'"),
     (["--nodes", "2", "--launcher", "fairseq"], "--launcher fairseq starts processes on this node only; --nodes 2 "
                                                  "needs --launcher torchrun or slurm"),
     (["--nodes", "2", "--launcher", "torchrun"], "--launcher torchrun on --nodes 2 needs --rdzv-endpoint HOST:PORT"),

@@ -17,13 +17,14 @@
 #   --update-freq K         gradient accumulation steps (chosen so that M x N GPUs keep the paper's
 #                           32,768 tokens per update; see below)
 #   --launcher NAME         fairseq (fairseq-train spawns the processes; one machine only), torchrun
-#                           or slurm (fairseq with --nodes 1, torchrun with more; with more and
-#                           --dry-run, both the torchrun command and the sbatch script)
+#                           or slurm (fairseq with --nodes 1; with more, torchrun, or slurm when only
+#                           --distributed-port is given, or with --dry-run and neither launcher's
+#                           flag both the torchrun command and the sbatch script)
 #   --rdzv-endpoint H:P     torchrun's rendezvous, a host every machine reaches (localhost:29500 on
 #                           one machine; required on several)
 #   --distributed-port P    slurm: the port fairseq meets at on the first node (29500)
 #   --dry-run               print the command (slurm: an sbatch script) instead of running it (off);
-#                           `--nodes M --gpus N --dry-run` prints both launchers' forms
+#                           `--nodes M --gpus N --dry-run` prints both launchers' forms (--launcher)
 #   -h, --help              this help
 # Everything after -- goes to fairseq-train last, so it overrides the recipe's values
 # (e.g. -- --max-update 1000).

@@ -99,8 +99,10 @@ class CoupledAdam(torch.optim.Optimizer):
             raise ValueError(f"{what} must be one of the optimized parameters")
         if block is None:
             block = CoupledBlock(0, param.shape[0] if param.dim() else 1, param[0].numel() if param.dim() else 1)
-        if not param.is_contiguous() or block.offset < 0 or block.offset + block.rows * block.cols > param.numel():
-            raise ValueError(f"{block} does not lie in its parameter (contiguous, {param.numel()} elements)")
+        if not param.is_contiguous():
+            raise ValueError(f"{what} must be a contiguous tensor")
+        if block.offset < 0 or block.offset + block.rows * block.cols > param.numel():
+            raise ValueError(f"{block} does not lie in its parameter ({param.numel()} elements)")
         return block
 
     @property
@@ -155,8 +157,8 @@ class CoupledAdam(torch.optim.Optimizer):
         bias_correction1 = 1 - beta1 ** state["step"]
         bias_correction2 = 1 - beta2 ** state["step"]
         step_size = group["lr"] * math.sqrt(bias_correction2) / bias_correction1
-        if group["weight_decay"] != 0:
-            skipped = self.undecayed_blocks.get(p, ())
+        skipped = self.undecayed_blocks.get(p, ())
+        if group["weight_decay"] != 0 and not any(b.offset == 0 and b.rows * b.cols == p.numel() for b in skipped):
             kept = [block.view(param).clone() for block in skipped]
             param.add_(param, alpha=-group["weight_decay"] * group["lr"])
             for block, values in zip(skipped, kept):  # as if never decayed: the same bits

@@ -57,8 +57,9 @@ class CoupledAdamConfig(FairseqAdamConfig):
     coupled_adam_decay: ChoiceEnum(list(DECAY_CHOICES)) = field(
         default="all",
         metadata={"help": "the parameters that --weight-decay reaches: all (as fairseq's adam) or "
-                  "non-embedding-matrices (the authors' setting: the model's 2-D parameters other than "
-                  "the coupled matrices; the coupled matrices and the 1-D parameters are not decayed)"},
+                  "non-embedding-matrices (the authors' setting: the model's parameters of 2 or more dimensions "
+                  "other than the coupled matrices; the coupled matrices and the model's 1-D parameters are not "
+                  "decayed)"},
     )
 
 
