@@ -469,7 +469,7 @@ def make_report(part, a, budget, specs, results, out_dir, spikes, invocations, p
         # validation as its PPL, log scale), never a criterion's own optimised loss
         valid = ((lambda r: r["curves"].get("valid_ppl") or [], "valid PPL (plain cross-entropy)", True)
                  if part.corpus.language_model else
-                 (valid_cross_entropy, "valid cross-entropy (nll_loss, bits/token; no label smoothing)", False))
+                 (valid_cross_entropy, "valid cross-entropy\n(nll_loss: no label smoothing; bits/token)", False))
         figures["curves"] = figure_curves(by_name, names, os.path.join(out_dir, "learning_curves.png"), [
             (lambda r: train_cross_entropy(r, runs_dir), "train cross-entropy (nll_loss, bits/token)", False), valid])
     if part.group_ppl:
