@@ -78,16 +78,17 @@ class FairseqCoupledAdam(FairseqAdam):
             raise UsageError("--fp16-adam-stats needs fairseq's FusedAdam; --optimizer coupled_adam keeps "
                              "fp32 statistics (drop the flag)")
         params = list(params)
-        coupled = coupled_matrices(params, which, scale)
-        undecayed = undecayed_tensors(params, coupled) if decay == "non-embedding-matrices" else []
+        model, located = locate_model_parameters(params)
+        coupled = coupled_matrices(model, located, which, scale)
+        undecayed = undecayed_tensors(model, located, coupled) if decay == "non-embedding-matrices" else []
         self._optimizer = CoupledAdam(params, coupled=coupled, coupling_scale=scale, undecayed=undecayed,
                                       **self.optimizer_config)
 
 
-def coupled_matrices(params, which, scale):
-    """[(optimizer tensor, CoupledBlock)] of the model's ``which`` embedding matrices among
-    ``params``; refuses set-ups where there are none or where they cannot be found."""
-    model, located = locate_model_parameters(params)
+def coupled_matrices(model, located, which, scale):
+    """[(optimizer tensor, CoupledBlock)] of the ``model``'s ``which`` embedding matrices among the
+    optimized tensors (``located``: ``locate_model_parameters``'s map); refuses set-ups where there
+    are none or where they cannot be found."""
     if model is None:
         raise UsageError("--optimizer coupled_adam must be built by fairseq's Trainer (fairseq-train): it reads "
                          "the embedding matrices from the model being trained")
@@ -110,10 +111,9 @@ def coupled_matrices(params, which, scale):
     return coupled
 
 
-def undecayed_tensors(params, coupled):
+def undecayed_tensors(model, located, coupled):
     """[(optimizer tensor, CoupledBlock)] that weight decay skips in the authors' setting: the
-    ``coupled`` matrices and the model's 1-D parameters (biases, layer-norm gains and biases)."""
-    model, located = locate_model_parameters(params)
+    ``coupled`` matrices and the ``model``'s 1-D parameters (biases, layer-norm gains and biases)."""
     one_dimensional = [p for p in model.parameters() if p.requires_grad and p.dim() < 2 and p in located]
     blocks = [(located[p][0], CoupledBlock(located[p][1], p.numel(), 1)) for p in one_dimensional]
     logger.info(f"coupled_adam: weight decay skips the coupled matrices and {len(one_dimensional)} 1-D "
