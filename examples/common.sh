@@ -114,10 +114,11 @@ is_dry_run() { [[ "${dry_run:-0}" == 1 || "${DRY_RUN:-0}" == 1 ]]; }
 # $gpus, the data-parallel ranks) and launcher. Reads nodes (--nodes, >= 1), gpus (--gpus, GPUs
 # per node, >= 1), launcher (--launcher: fairseq, torchrun or slurm; empty = fairseq on one node,
 # torchrun on several, or slurm there when only --distributed-port is given; "both" on several
-# with --dry-run and neither launcher's flag: the torchrun command and the SLURM script are printed), rdzv_endpoint (--rdzv-endpoint HOST:PORT, torchrun only; required to run on
-# several nodes, localhost:29500 on one, the placeholder first-node:29500 when both are printed)
-# and distributed_port (--distributed-port, slurm only; empty = 29500). A flag of another launcher
-# is an error naming both.
+# with --dry-run and neither launcher's flag: the torchrun command and the SLURM script are
+# printed), rdzv_endpoint (--rdzv-endpoint HOST:PORT, torchrun only; required to run on several
+# nodes, localhost:29500 on one, the placeholder first-node:29500 when both are printed) and
+# distributed_port (--distributed-port, slurm only; empty = 29500). A flag of another launcher is
+# an error naming both.
 check_launch() {
   need_int --nodes "$nodes" 1
   need_int --gpus "$gpus" 1
@@ -132,11 +133,8 @@ check_launch() {
     elif is_dry_run && [[ -z "$rdzv_endpoint" ]]; then launcher=both
     else launcher=torchrun; fi
   fi
-  case "$launcher" in
-    fairseq) (( nodes == 1 )) || die "--launcher fairseq starts processes on this node only; --nodes $nodes needs \
---launcher torchrun or slurm" ;;
-    torchrun|slurm|both) ;;  # both: only chosen above, never a user's value
-  esac
+  [[ "$launcher" != fairseq ]] || (( nodes == 1 )) || die "--launcher fairseq starts processes on this node only; \
+--nodes $nodes needs --launcher torchrun or slurm"
   if [[ "$launcher" == torchrun || "$launcher" == both ]]; then
     if [[ -z "$rdzv_endpoint" ]]; then
       if [[ "$launcher" == both ]]; then rdzv_endpoint=first-node:29500
