@@ -283,15 +283,23 @@ def run_style(names):
     return style
 
 
+def curve_panels(names) -> List[tuple]:
+    """(title, runs) of each learning-curve panel for the runs ``names``: :data:`PANELS` in order,
+    then the runs of no panel; a panel with no run but the baseline is left out (the baseline is
+    in every panel, so it alone compares nothing), unless the baseline is the only run."""
+    panels = [(title, [n for n in members if n in names]) for title, members in PANELS]
+    panels += [("other runs", [n for n in names if not any(n in members for _, members in PANELS)])]
+    compared = [(t, members) for t, members in panels if any(n != "baseline" for n in members)]
+    return compared or [(t, members) for t, members in panels[:1] if members]
+
+
 def figure_curves(by_name, names, path, runs_dir):
     """Train cross-entropy and valid PPL (rows) for each group of methods (columns): the mean over
     seeds with a min-max band. The train row is the plain cross-entropy of every run
     (:func:`study.report.train_cross_entropy`, read from the runs in ``runs_dir`` where result.json
     predates it), never a criterion's own optimised loss (FACE's weighted one, CE + a term)."""
     plt = pyplot()
-    panels = [(title, [n for n in members if n in names]) for title, members in PANELS]
-    panels += [("other runs", [n for n in names if not any(n in members for _, members in PANELS)])]
-    panels = [(t, members) for t, members in panels if members]
+    panels = curve_panels(names)
     rows = ((lambda r: train_cross_entropy(r, runs_dir), "train cross-entropy (nll_loss, bits/token)", False),
             (lambda r: r["curves"].get("valid_ppl") or [], "valid PPL (log scale)", True))
     fig, axes = plt.subplots(len(rows), len(panels), figsize=(6.5 * len(panels), 8.0), squeeze=False,

@@ -124,6 +124,19 @@ def test_group_ppl_titles_give_this_vocabularys_group_sizes_not_the_papers():
     assert "its 13,000 / 23,000 / 8,256 of 44,256 types" in title  # where the fractions come from
     assert TR.grouping_title("demo") == "the demo's grouping\n30.0 / 50.0 / 20.0 %"
 
+def test_curve_panels_leave_out_a_panel_that_holds_only_the_baseline():
+    one_epoch = ["baseline", "agg", "freeze", "coupled-adam", "face", "agg+coupled-adam"]
+    assert TR.curve_panels(one_epoch) == [
+        ("AGG, its threshold, freezing", ["baseline", "agg", "freeze", "agg+coupled-adam"]),
+        ("other remedies", ["baseline", "coupled-adam", "face"])]
+    # the operating point's runs alone: their own panel; a run of no panel gets one of its own
+    assert TR.curve_panels(["baseline", "agg-pu", "freeze-group", "new-method"]) == [
+        ("AGG's operating point: the per-update rule, Table 1's freezing", ["baseline", "agg-pu", "freeze-group"]),
+        ("other runs", ["new-method"])]
+    assert TR.curve_panels(["baseline"]) == [("AGG, its threshold, freezing", ["baseline"])]
+    assert TR.curve_panels([]) == []
+
+
 
 def _dictionary(n_types):
     from fairseq.data import Dictionary
