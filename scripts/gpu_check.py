@@ -35,6 +35,13 @@ recorded and the next part still runs) and all under one time budget (``--deadli
    is recorded as ``output_layer``) and ``transformer_lm_mlra_gpt2_small``; words/s after warm-up
    and peak memory, ratios against stock (a precision that fairseq itself cannot train at on a GPU
    is recorded as not runnable: its ``--bf16`` implies ``--tpu``);
+3b. (``--parts train_mt``, not in the default parts: a run of its own, about 6 minutes on a GPU)
+   real ``fairseq-train`` runs of examples/wmt14_en_de/train.sh's models and METHODs on a synthetic
+   translation data-bin with one joined dictionary of V = 40,000, ``--max-tokens 8192`` as the
+   recipe's per GPU, the plan's precisions: ``baseline`` (stock label-smoothed CE) and ``agg`` on
+   ``transformer_wmt_en_de`` and its big version, ``aug`` and ``mlra`` on the base one; words
+   (target tokens) per second and peak memory, ratios against the same size's baseline: what the
+   recipe's README needs to price a run;
 4. one live statistics step (TEV + mean cosine) and one isotropy step at V = 50,000, d = 1,024,
    and their share of a training update at the recommended intervals.
 
@@ -87,7 +94,8 @@ from tests.support.output_layer_problem import (DTYPES, MIB, PAD, OutputProblem,
                                                 wall_seconds)
 from tests.support.output_layer_steps import StepProblem, fused_agg, fused_al, fused_ce
 from tests.support.reference_constructions import reference_output_loss, reference_teacher
-from tests.support.training_runs import fairseq_precision_problem, train_log_records, write_synthetic_lm_bin
+from tests.support.training_runs import (fairseq_precision_problem, train_log_records, write_synthetic_lm_bin,
+                                         write_synthetic_translation_bin)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -147,6 +155,12 @@ class Plan:
     updates: int
     log_interval: int
     warmup_updates: int
+    # 3b. fairseq-train of the WMT14 recipe's models (part train_mt, not in the default parts)
+    mt_archs: dict  # size -> arch, as examples/wmt14_en_de/train.sh names them
+    mt_mlra_arch: str
+    mt_arch_flags: tuple
+    mt_vocab: int
+    mt_max_tokens: int
     # 4. statistics
     stats_shape: tuple
     stats_repeats: int
@@ -173,6 +187,11 @@ GPU_PLAN = Plan(
     updates=60,
     log_interval=10,
     warmup_updates=20,
+    mt_archs={"base": "transformer_wmt_en_de", "big": "transformer_wmt_en_de_big"},
+    mt_mlra_arch="transformer_mlra_wmt_en_de",
+    mt_arch_flags=(),
+    mt_vocab=40000,  # the MT shape of part 2: a joined BPE dictionary of WMT14's size
+    mt_max_tokens=8192,  # the recipe's tokens per GPU and micro-batch
     stats_shape=(50000, 1024),
     stats_repeats=3,
 )
@@ -187,6 +206,10 @@ CPU_SMOKE_PLAN = dataclasses.replace(
     train_arch_flags=("--decoder-layers", "1", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
                       "--decoder-attention-heads", "2"),
     train_vocab=600, tokens_per_sample=32, max_tokens=256, updates=4, log_interval=1, warmup_updates=2,
+    mt_arch_flags=("--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "32",
+                   "--decoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
+                   "--encoder-attention-heads", "2", "--decoder-attention-heads", "2"),
+    mt_vocab=600, mt_max_tokens=256,
     stats_shape=(2000, 64), stats_repeats=1,
 )
 
@@ -659,21 +682,51 @@ def train_runs(plan: Plan):
     ]
 
 
-def train_args(plan: Plan, data: str, save_dir: str, arch: str, precision: str, device: torch.device):
-    args = [
-        data, "--task", "language_modeling", "--arch", arch, *plan.train_arch_flags,
-        "--share-decoder-input-output-embed", "--tokens-per-sample", str(plan.tokens_per_sample),
-        "--sample-break-mode", "none", "--max-tokens", str(plan.max_tokens), "--required-batch-size-multiple", "1",
-        "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.01", "--lr", "0.0005",
-        "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(plan.warmup_updates), "--warmup-init-lr", "1e-07",
-        "--max-update", str(plan.updates), "--log-format", "json", "--log-interval", str(plan.log_interval),
-        "--disable-validation", "--no-save", "--save-dir", save_dir, "--num-workers", "0", "--seed", "1",
-    ]
+def mt_train_runs(plan: Plan):
+    """(name, size, arch, criterion flags) of the WMT14 recipe's METHODs (examples/wmt14_en_de/
+    train.sh: label smoothing 0.1, AGG's alpha 0.08), most wanted first: each size's baseline (the
+    ratios' baseline) and AGG, then REAL and MLRA at base."""
+    smoothing = ["--label-smoothing", "0.1"]
+    stock = ["--criterion", "label_smoothed_cross_entropy", *smoothing]
+    agg = ["--criterion", "cross_entropy_agg", *smoothing, "--agg-alpha", "0.08", "--output-kernel", "auto"]
+    base, big = plan.mt_archs["base"], plan.mt_archs["big"]
+    return [("baseline", "base", base, stock), ("agg", "base", base, agg),
+            ("baseline", "big", big, stock), ("agg", "big", big, agg),
+            ("aug", "base", base, ["--criterion", "augmented_loss", *smoothing, "--output-kernel", "auto"]),
+            ("mlra", "base", plan.mt_mlra_arch, stock)]
+
+
+def _run_flags(plan: Plan, save_dir: str, precision: str, device: torch.device):
+    """The flags every measured run shares: its length and logging, nothing saved or validated."""
+    args = ["--max-update", str(plan.updates), "--log-format", "json", "--log-interval", str(plan.log_interval),
+            "--disable-validation", "--no-save", "--save-dir", save_dir, "--num-workers", "0", "--seed", "1"]
     if precision in ("fp16", "bf16"):
         args.append(f"--{precision}")
     if device.type == "cpu":
         args.append("--cpu")
     return args
+
+
+def train_args(plan: Plan, data: str, save_dir: str, arch: str, precision: str, device: torch.device):
+    return [
+        data, "--task", "language_modeling", "--arch", arch, *plan.train_arch_flags,
+        "--share-decoder-input-output-embed", "--tokens-per-sample", str(plan.tokens_per_sample),
+        "--sample-break-mode", "none", "--max-tokens", str(plan.max_tokens), "--required-batch-size-multiple", "1",
+        "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.01", "--lr", "0.0005",
+        "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(plan.warmup_updates), "--warmup-init-lr", "1e-07",
+        *_run_flags(plan, save_dir, precision, device),
+    ]
+
+
+def mt_train_args(plan: Plan, data: str, save_dir: str, arch: str, precision: str, device: torch.device):
+    """examples/wmt14_en_de/train.sh's optimisation on one GPU, one micro-batch per update."""
+    return [
+        data, "--task", "translation", "--source-lang", "en", "--target-lang", "de", "--arch", arch,
+        *plan.mt_arch_flags, "--share-all-embeddings", "--dropout", "0.3", "--max-tokens", str(plan.mt_max_tokens),
+        "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--clip-norm", "0.0", "--weight-decay", "0.01",
+        "--lr", "1e-3", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(plan.warmup_updates),
+        "--warmup-init-lr", "1e-07", *_run_flags(plan, save_dir, precision, device),
+    ]
 
 
 def train_worker(result_path: str, argv):
@@ -735,13 +788,13 @@ def _log_tail(proc) -> str:
     return f"--- stdout ---\n{proc.stdout[-2500:]}\n--- stderr ---\n{proc.stderr[-1500:]}"
 
 
-def run_train(plan: Plan, device, data, workdir, name, arch, extra, precision, timeout):
-    save_dir = os.path.join(workdir, "ckpt")
+def run_train(plan: Plan, device, args, workdir, name, arch, extra, precision, timeout):
+    """One measured fairseq-train run: ``args`` (data, task, model, schedule) and the criterion's
+    ``extra`` flags, in a worker process."""
     result_path = os.path.join(workdir, "worker.json")
     if os.path.exists(result_path):
         os.remove(result_path)
-    cmd = [sys.executable, "-m", "scripts.gpu_check", "--train-worker", result_path, "--",
-           *train_args(plan, data, save_dir, arch, precision, device), *extra]
+    cmd = [sys.executable, "-m", "scripts.gpu_check", "--train-worker", result_path, "--", *args, *extra]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if device.type == "cpu":
         env.setdefault("OMP_NUM_THREADS", "2")
@@ -776,60 +829,105 @@ def run_train(plan: Plan, device, data, workdir, name, arch, extra, precision, t
     return run
 
 
-def part_train(plan: Plan, device: torch.device, budget: Budget):
-    result = {"arch": plan.train_arch, "mlra_arch": plan.train_mlra_arch, "vocab": plan.train_vocab,
-              "tokens_per_sample": plan.tokens_per_sample, "max_tokens": plan.max_tokens, "updates": plan.updates,
-              "warmup_updates_dropped": plan.warmup_updates,
-              "memory": "torch.cuda.max_memory_allocated of the training process" if device.type == "cuda"
-              else "not measured on a CPU (max RSS recorded)",
-              "data": "synthetic Zipf(1.1) data-bin written with fairseq's mmap builder", "runs": [],
-              "target_precisions": list(plan.target_train_precisions)}
-    with tempfile.TemporaryDirectory(prefix="gpu_check_train_") as workdir:
-        train_tokens = int(plan.updates * plan.max_tokens * 1.1) + 10 * plan.tokens_per_sample
-        data = write_synthetic_lm_bin(os.path.join(workdir, "data-bin"), plan.train_vocab, train_tokens,
-                                      4 * plan.tokens_per_sample)
-        expected = 60.0 if device.type == "cuda" else 40.0  # first guess of one run's seconds
-        for precision in plan.train_precisions:
-            problem = fairseq_precision_problem(precision)
-            if problem:
-                result.setdefault("not_runnable", {})[precision] = problem
+def train_each(plan: Plan, device: torch.device, budget: Budget, workdir: str, runs, args_for, result):
+    """Each run (name, size or None, arch, criterion flags) at each of the plan's precisions, into
+    ``result["runs"]``; ``args_for(arch, precision, save_dir)`` gives its other flags. A run the
+    time left cannot hold is recorded as skipped; the part's status says whether any failed."""
+    expected = 60.0 if device.type == "cuda" else 40.0  # first guess of one run's seconds
+    for precision in plan.train_precisions:
+        problem = fairseq_precision_problem(precision)
+        if problem:
+            result.setdefault("not_runnable", {})[precision] = problem
+            continue
+        for name, size, arch, extra in runs:
+            label = {"name": name, "precision": precision, **({"size": size} if size else {})}
+            if budget.left() < expected * 1.2:
+                result["runs"].append({**label, "skipped": "time budget"})
                 continue
-            for name, arch, extra in train_runs(plan):
-                if budget.left() < expected * 1.2:
-                    result["runs"].append({"name": name, "precision": precision, "skipped": "time budget"})
-                    continue
-                try:
-                    run = run_train(plan, device, data, workdir, name, arch, extra, precision,
-                                    timeout=max(30.0, budget.left() - 5))
-                except subprocess.TimeoutExpired:
-                    run = {"name": name, "precision": precision, "error": "timed out (time budget)"}
-                if "seconds" in run:
-                    expected = max(expected * 0.5, run["seconds"])
-                shown = {k: v for k, v in run.items() if k != "log_tail"}
-                log(f"[gpu_check] train {precision} {name}: {json.dumps(shown)}")
-                if "error" in run and "log_tail" in run:
-                    log(run["log_tail"][-1200:])
-                result["runs"].append(run)
-    result["ratios"] = train_ratios(result["runs"])
-    failed = [r for r in result["runs"] if "error" in r]
-    skipped = [r for r in result["runs"] if "skipped" in r]
-    if failed:
+            args = args_for(arch, precision, os.path.join(workdir, "ckpt"))
+            try:
+                run = {**label, **run_train(plan, device, args, workdir, name, arch, extra, precision,
+                                            timeout=max(30.0, budget.left() - 5))}
+            except subprocess.TimeoutExpired:
+                run = {**label, "error": "timed out (time budget)"}
+            if "seconds" in run:
+                expected = max(expected * 0.5, run["seconds"])
+            shown = {k: v for k, v in run.items() if k != "log_tail"}
+            log(f"[gpu_check] train {precision} {size or ''} {name}: {json.dumps(shown)}")
+            if "error" in run and "log_tail" in run:
+                log(run["log_tail"][-1200:])
+            result["runs"].append(run)
+    if any("error" in r for r in result["runs"]):
         result["status"] = "failed"
-    elif skipped:
+    elif any("skipped" in r for r in result["runs"]):
         result["status"] = "partial"
     return result
 
 
-def train_ratios(runs):
+def part_train(plan: Plan, device: torch.device, budget: Budget):
+    result = {"arch": plan.train_arch, "mlra_arch": plan.train_mlra_arch, "vocab": plan.train_vocab,
+              "tokens_per_sample": plan.tokens_per_sample, "max_tokens": plan.max_tokens, "updates": plan.updates,
+              "warmup_updates_dropped": plan.warmup_updates, "memory": memory_note(device),
+              "data": "synthetic Zipf(1.1) data-bin written with fairseq's mmap builder", "runs": [],
+              "target_precisions": list(plan.target_train_precisions)}
+    runs = [(name, None, arch, extra) for name, arch, extra in train_runs(plan)]
+    with tempfile.TemporaryDirectory(prefix="gpu_check_train_") as workdir:
+        train_tokens = int(plan.updates * plan.max_tokens * 1.1) + 10 * plan.tokens_per_sample
+        data = write_synthetic_lm_bin(os.path.join(workdir, "data-bin"), plan.train_vocab, train_tokens,
+                                      4 * plan.tokens_per_sample)
+        train_each(plan, device, budget, workdir, runs,
+                   lambda arch, precision, save_dir: train_args(plan, data, save_dir, arch, precision, device), result)
+    result["ratios"] = train_ratios(result["runs"], "stock cross_entropy")
+    return result
+
+
+MT_PAIR_LENGTHS = (10, 60)  # tokens per side of a synthetic pair, before </s> (WMT14's BPE sentences: ~30)
+
+
+def part_train_mt(plan: Plan, device: torch.device, budget: Budget):
+    """Words (target tokens) per second of the WMT14 recipe's models and METHODs, what pricing a
+    paper-scale run of examples/wmt14_en_de needs: --max-tokens as the recipe's per GPU, ratios
+    against the same size's baseline."""
+    result = {"archs": dict(plan.mt_archs), "mlra_arch": plan.mt_mlra_arch, "vocab": plan.mt_vocab,
+              "max_tokens": plan.mt_max_tokens, "updates": plan.updates, "warmup_updates_dropped": plan.warmup_updates,
+              "memory": memory_note(device), "runs": [],
+              "data": f"synthetic Zipf(1.1) sentence pairs of {MT_PAIR_LENGTHS[0]}-{MT_PAIR_LENGTHS[1] - 1} tokens "
+                      "per side plus </s>, one joined dictionary, written with fairseq's mmap builder"}
+    with tempfile.TemporaryDirectory(prefix="gpu_check_train_mt_") as workdir:
+        # enough pairs for every update's micro-batch, with a tenth to spare
+        per_pair = sum(MT_PAIR_LENGTHS) / 2 + 1
+        pairs = int(plan.updates * plan.mt_max_tokens * 1.1 / per_pair) + 64
+        data = write_synthetic_translation_bin(os.path.join(workdir, "data-bin"), plan.mt_vocab, pairs, 64,
+                                               lengths=MT_PAIR_LENGTHS)
+        train_each(plan, device, budget, workdir, mt_train_runs(plan),
+                   lambda arch, precision, save_dir: mt_train_args(plan, data, save_dir, arch, precision, device),
+                   result)
+    result["ratios"] = train_ratios(result["runs"], "baseline")
+    return result
+
+
+def memory_note(device: torch.device) -> str:
+    return ("torch.cuda.max_memory_allocated of the training process" if device.type == "cuda"
+            else "not measured on a CPU (max RSS recorded)")
+
+
+def run_key(run) -> str:
+    """A measured run's key in its part's ratios: "precision [size] name"."""
+    return " ".join(x for x in (run["precision"], run.get("size"), run["name"]) if x)
+
+
+def train_ratios(runs, stock_name):
+    """{run key: words/s and peak memory against the run named ``stock_name`` of the same
+    precision and size}."""
     ratios = {}
-    for precision in sorted({r["precision"] for r in runs}):
-        by_name = {r["name"]: r for r in runs if r["precision"] == precision and "wps" in r}
-        stock = by_name.get("stock cross_entropy")
-        for name, r in by_name.items():
-            if stock is None or name == stock["name"]:
-                continue
-            ratios[f"{precision} {name}"] = {"wps_vs_stock": _ratio(r["wps"], stock["wps"]),
-                                             "memory_vs_stock": _ratio(r.get("peak_mib"), stock.get("peak_mib"))}
+    measured = [r for r in runs if "wps" in r]
+    for r in measured:
+        stock = next((x for x in measured if x["name"] == stock_name and x["precision"] == r["precision"]
+                      and x.get("size") == r.get("size")), None)
+        if stock is None or r is stock:
+            continue
+        ratios[run_key(r)] = {"wps_vs_stock": _ratio(r["wps"], stock["wps"]),
+                              "memory_vs_stock": _ratio(r.get("peak_mib"), stock.get("peak_mib"))}
     return ratios
 
 
@@ -1053,12 +1151,29 @@ def render_markdown(data):
             out.append(f"Not run at {precision}: {reason}.\n\n")
         rows = []
         for r in part["runs"]:
-            ratio = part["ratios"].get(f"{r['precision']} {r['name']}", {})
+            ratio = part["ratios"].get(run_key(r), {})
             rows.append([r["precision"], r["name"], r.get("wps"), r.get("peak_mib"), ratio.get("wps_vs_stock"),
                          ratio.get("memory_vs_stock"), r.get("loss_last"), r.get("output_layer") or "–",
                          r.get("error") or r.get("skipped") or "ok"])
         out.append(_table(["precision", "run", "words/s", "peak MiB", "wps / stock", "memory / stock", "last loss",
                            "output layer (from the log)", "status"], rows))
+    if "train_mt" in parts:
+        part = section("3b. fairseq-train, the WMT14 recipe's models", "train_mt")
+        if "runs" in part:
+            archs = ", ".join(f"{size} `{arch}`" for size, arch in part["archs"].items())
+            out.append(f"\n{archs}, MLRA `{part['mlra_arch']}`; --share-all-embeddings, V={part['vocab']}, "
+                       f"--max-tokens {part['max_tokens']}, {part['updates']} updates (the first "
+                       f"{part['warmup_updates_dropped']} dropped); {part['data']}; words = target tokens; memory: "
+                       f"{part['memory']}.\n\n")
+            for precision, reason in part.get("not_runnable", {}).items():
+                out.append(f"Not run at {precision}: {reason}.\n\n")
+            out.append(_table(["precision", "size", "METHOD", "words/s", "peak MiB", "wps / baseline",
+                               "memory / baseline", "last loss", "output layer (from the log)", "status"],
+                              [[r["precision"], r.get("size"), r["name"], r.get("wps"), r.get("peak_mib"),
+                                part["ratios"].get(run_key(r), {}).get("wps_vs_stock"),
+                                part["ratios"].get(run_key(r), {}).get("memory_vs_stock"), r.get("loss_last"),
+                                r.get("output_layer") or "–", r.get("error") or r.get("skipped") or "ok"]
+                               for r in part["runs"]]))
     part = section("4. Embedding statistics", "stats")
     if part and "tev_step_ms" in part:
         out.append("\n" + _table(["V", "d", "TEV + mean cos step ms", "isotropy step ms", "ms per update (intervals "
@@ -1096,6 +1211,10 @@ def collect_meta(plan: Plan, device: torch.device, argv):
     return meta
 
 
+PARTS = ("correctness", "output_layer", "train", "train_mt", "stats")
+DEFAULT_PARTS = ("correctness", "output_layer", "train", "stats")
+
+
 def build_parser():
     ap = argparse.ArgumentParser(prog="python -m scripts.gpu_check", description=__doc__.split("\n")[0])
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (CI)")
@@ -1104,8 +1223,9 @@ def build_parser():
     ap.add_argument("--deadline", type=float, default=None, help="Unix time by which the check must end")
     ap.add_argument("--budget-s", type=float, default=None, help="seconds from now (if --deadline is not given; "
                     "default 450 on a GPU, 300 for --cpu-smoke)")
-    ap.add_argument("--parts", default="correctness,output_layer,train,stats",
-                    help="comma-separated subset of correctness,output_layer,train,stats")
+    ap.add_argument("--parts", default=",".join(DEFAULT_PARTS),
+                    help=f"comma-separated subset of {','.join(PARTS)} (default: {','.join(DEFAULT_PARTS)}; "
+                    "train_mt, the WMT14 recipe's models, takes a run of its own)")
     ap.add_argument("--train-worker", default=None, help=argparse.SUPPRESS)
     return ap
 
@@ -1118,10 +1238,9 @@ def main(argv=None):
         return train_worker(result_path, argv[split + 1 :])
     args = build_parser().parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    unknown = sorted(set(parts) - {"correctness", "output_layer", "train", "stats"})
+    unknown = sorted(set(parts) - set(PARTS))
     if unknown:
-        raise SystemExit(f"--parts: unknown part(s) {', '.join(unknown)}; "
-                         "allowed: correctness,output_layer,train,stats")
+        raise SystemExit(f"--parts: unknown part(s) {', '.join(unknown)}; allowed: {','.join(PARTS)}")
     if args.cpu_smoke:
         plan, device = CPU_SMOKE_PLAN, torch.device("cpu")
     elif not torch.cuda.is_available():
@@ -1143,12 +1262,14 @@ def main(argv=None):
     if "correctness" in parts:
         report.run_part("correctness", lambda: part_correctness(plan, device), budget, 5)
     if "output_layer" in parts:
-        reserve = plan.train_reserve_s if "train" in parts else 0.0  # keep the training part's time
+        reserve = plan.train_reserve_s if {"train", "train_mt"} & set(parts) else 0.0  # keep the training parts' time
         report.run_part("output_layer", lambda: part_output_layer(plan, device, budget, reserve), budget, 20)
     if "stats" in parts:  # before training: quick, and the training part takes what time is left
         report.run_part("stats", lambda: part_stats(plan, device), budget, 5)
     if "train" in parts:
         report.run_part("train", lambda: part_train(plan, device, budget), budget, 30)
+    if "train_mt" in parts:
+        report.run_part("train_mt", lambda: part_train_mt(plan, device, budget), budget, 30)
     add_stats_share(report.data["parts"])
     report.data["targets"] = evaluate_targets(report.data)
     report.save()

@@ -126,6 +126,52 @@ def test_real_fairseq_train_runs(smoke):
     assert set(part["ratios"]) == {"fp32 cross_entropy_agg", "fp32 augmented_loss", "fp32 MLRA"}
 
 
+def test_wmt14_recipe_models_train_in_a_part_of_their_own(tmp_path):
+    # not in the default parts (the GPU's time holds one of the two): --parts train_mt alone
+    proc = _run_check(["--cpu-smoke", "--parts", "train_mt", "--out", str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert set(data["parts"]) == {"train_mt"}
+    part = data["parts"]["train_mt"]
+    assert part["status"] == "ok", part
+    runs = {(r["size"], r["name"]): r for r in part["runs"]}
+    assert list(runs) == [("base", "baseline"), ("base", "agg"), ("big", "baseline"), ("big", "agg"),
+                          ("base", "aug"), ("base", "mlra")]
+    for key, run in runs.items():
+        assert run["returncode"] == 0 and "error" not in run, run
+        assert run["num_updates"] == PLAN.updates and run["wps"] > 0 and math.isfinite(run["loss_last"]), key
+    # the recipe's models and criteria (examples/wmt14_en_de/train.sh)
+    assert runs[("big", "agg")]["arch"] == "transformer_wmt_en_de_big"
+    assert runs[("base", "mlra")]["arch"] == "transformer_mlra_wmt_en_de"
+    assert runs[("base", "baseline")]["flags"] == ["--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1"]
+    assert runs[("base", "agg")]["flags"][:5] == ["--criterion", "cross_entropy_agg", "--label-smoothing", "0.1",
+                                                  "--agg-alpha"]
+    assert runs[("base", "agg")]["output_layer"] and runs[("base", "baseline")]["output_layer"] is None
+    # each ratio is against the same size's baseline
+    assert set(part["ratios"]) == {"fp32 base agg", "fp32 big agg", "fp32 base aug", "fp32 base mlra"}
+    assert part["ratios"]["fp32 big agg"]["wps_vs_stock"] == pytest.approx(
+        runs[("big", "agg")]["wps"] / runs[("big", "baseline")]["wps"], rel=1e-2)
+    markdown = (tmp_path / "gpu_check.md").read_text()
+    assert "## 3b. fairseq-train, the WMT14 recipe's models" in markdown and "| fp32 | big | agg |" in markdown
+
+
+def test_synthetic_translation_bin_is_what_fairseq_preprocess_writes(tmp_path):
+    from fairseq.data import Dictionary, data_utils
+
+    from training_runs import write_synthetic_translation_bin
+
+    dest = write_synthetic_translation_bin(str(tmp_path / "bin"), 300, 50, 7, lengths=(3, 9))
+    dictionaries = [Dictionary.load(os.path.join(dest, f"dict.{lang}.txt")) for lang in ("en", "de")]
+    assert len(dictionaries[0]) == 300 and dictionaries[0].symbols == dictionaries[1].symbols  # joined
+    for split, pairs in (("train", 50), ("valid", 7)):
+        for lang in ("en", "de"):
+            dataset = data_utils.load_indexed_dataset(os.path.join(dest, f"{split}.en-de.{lang}"), dictionaries[0])
+            assert len(dataset) == pairs
+            for item in dataset:
+                assert 4 <= len(item) <= 9 and int(item[-1]) == dictionaries[0].eos()
+                assert int(item[:-1].min()) >= dictionaries[0].nspecial and int(item.max()) < 300
+
+
 def test_statistics_step(smoke):
     part = smoke[0]["parts"]["stats"]
     assert (part["V"], part["d"]) == PLAN.stats_shape

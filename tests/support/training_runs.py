@@ -17,32 +17,73 @@ import torch
 from tests.support.output_layer_problem import zipf_unigram
 
 
+def zipf_dictionary(vocab: int):
+    """(a fairseq Dictionary of ``vocab`` entries, the special symbols first, then words w0, w1, ...
+    counted by a Zipf(1.1) law; the words' probabilities, a numpy array)."""
+    import numpy as np
+    from fairseq.data import Dictionary
+
+    dictionary = Dictionary()
+    probs = zipf_unigram(vocab).numpy()[len(dictionary):]
+    probs = probs / probs.sum()
+    expected = np.maximum(1, np.round(probs * 1e9)).astype(np.int64)
+    for i in range(vocab - len(dictionary)):
+        dictionary.add_symbol(f"w{i}", n=int(expected[i]))
+    return dictionary, probs
+
+
+def _write_lines(path: str, dictionary, lines):
+    """``path``.bin / .idx in the mmap format, one item per line (token ids) with </s> appended, as
+    fairseq-preprocess writes them."""
+    import numpy as np
+    from fairseq.data import indexed_dataset
+
+    builder = indexed_dataset.make_builder(f"{path}.bin", impl="mmap", vocab_size=len(dictionary))
+    for line in lines:
+        builder.add_item(torch.from_numpy(np.append(line, dictionary.eos()).astype(np.int64)))
+    builder.finalize(f"{path}.idx")
+
+
 def write_synthetic_lm_bin(dest: str, vocab: int, train_tokens: int, valid_tokens: int, seed: int = 0):
     """A fairseq data-bin (dict.txt, {train,valid}.{bin,idx}, mmap format) of Zipfian "sentences"
     of 20-200 tokens, each ending in </s> as fairseq-preprocess writes them."""
     import numpy as np
-    from fairseq.data import Dictionary, indexed_dataset
 
     os.makedirs(dest, exist_ok=True)
-    dictionary = Dictionary()
-    n_words = vocab - len(dictionary)
-    probs = zipf_unigram(vocab).numpy()[len(dictionary):]
-    probs = probs / probs.sum()
-    expected = np.maximum(1, np.round(probs * 1e9)).astype(np.int64)
-    for i in range(n_words):
-        dictionary.add_symbol(f"w{i}", n=int(expected[i]))
+    dictionary, probs = zipf_dictionary(vocab)
     dictionary.save(os.path.join(dest, "dict.txt"))
     rng = np.random.default_rng(seed)
     for split, total in (("train", train_tokens), ("valid", valid_tokens)):
-        tokens = rng.choice(n_words, size=total, p=probs) + len(Dictionary())
-        builder = indexed_dataset.make_builder(os.path.join(dest, f"{split}.bin"), impl="mmap", vocab_size=vocab)
-        start = 0
+        tokens = rng.choice(len(probs), size=total, p=probs) + dictionary.nspecial
+        lines, start = [], 0
         while start < total:
             length = int(rng.integers(20, 200))
-            line = np.append(tokens[start : start + length], dictionary.eos())
-            builder.add_item(torch.from_numpy(line.astype(np.int64)))
+            lines.append(tokens[start : start + length])
             start += length
-        builder.finalize(os.path.join(dest, f"{split}.idx"))
+        _write_lines(os.path.join(dest, split), dictionary, lines)
+    return dest
+
+
+def write_synthetic_translation_bin(dest: str, vocab: int, train_pairs: int, valid_pairs: int, seed: int = 0,
+                                    source: str = "en", target: str = "de", lengths=(10, 60)):
+    """A fairseq translation data-bin as ``fairseq-preprocess --joined-dictionary`` writes it:
+    dict.SRC.txt and dict.TGT.txt (the same Zipfian dictionary) and {train,valid}.SRC-TGT.{SRC,TGT}
+    .{bin,idx} in the mmap format: ``train_pairs`` / ``valid_pairs`` pairs whose two sides are
+    independent Zipfian sentences of ``lengths`` tokens (low inclusive, high exclusive) plus </s>.
+    Data for measuring speed: there is nothing to learn in it but the unigram."""
+    import numpy as np
+
+    os.makedirs(dest, exist_ok=True)
+    dictionary, probs = zipf_dictionary(vocab)
+    for lang in (source, target):
+        dictionary.save(os.path.join(dest, f"dict.{lang}.txt"))
+    rng = np.random.default_rng(seed)
+    for split, pairs in (("train", train_pairs), ("valid", valid_pairs)):
+        for lang in (source, target):
+            sizes = rng.integers(*lengths, size=pairs)
+            tokens = rng.choice(len(probs), size=int(sizes.sum()), p=probs) + dictionary.nspecial
+            lines = np.split(tokens, np.cumsum(sizes)[:-1])
+            _write_lines(os.path.join(dest, f"{split}.{source}-{target}.{lang}"), dictionary, lines)
     return dest
 
 
