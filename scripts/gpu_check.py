@@ -35,7 +35,8 @@ recorded and the next part still runs) and all under one time budget (``--deadli
    is recorded as ``output_layer``) and ``transformer_lm_mlra_gpt2_small``; words/s after warm-up
    and peak memory, ratios against stock (a precision that fairseq itself cannot train at on a GPU
    is recorded as not runnable: its ``--bf16`` implies ``--tpu``);
-3b. (``--parts train_mt``, not in the default parts: a run of its own, about 6 minutes on a GPU)
+3b. (``--parts train_mt``, not in the default parts: a run of its own; not yet run on a GPU, its six
+   runs estimated at 30-60 s each there, like part 3's)
    real ``fairseq-train`` runs of examples/wmt14_en_de/train.sh's models and METHODs on a synthetic
    translation data-bin with one joined dictionary of V = 40,000, ``--max-tokens 8192`` as the
    recipe's per GPU, the plan's precisions: ``baseline`` (stock label-smoothed CE) and ``agg`` on
