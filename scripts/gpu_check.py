@@ -1071,6 +1071,23 @@ def _table(header, rows):
     return "\n".join(lines) + "\n"
 
 
+def train_runs_table(part, name_header, baseline):
+    """A training part's precisions fairseq cannot train at, then one row per run (a size column
+    where the runs have sizes) with its ratios against ``baseline``, the run they are taken against."""
+    out = [f"Not run at {precision}: {reason}.\n\n" for precision, reason in part.get("not_runnable", {}).items()]
+    sized = any("size" in r for r in part["runs"])
+    rows = []
+    for r in part["runs"]:
+        ratio = part["ratios"].get(run_key(r), {})
+        rows.append([r["precision"], *([r.get("size")] if sized else []), r["name"], r.get("wps"), r.get("peak_mib"),
+                     ratio.get("wps_vs_stock"), ratio.get("memory_vs_stock"), r.get("loss_last"),
+                     r.get("output_layer") or "–", r.get("error") or r.get("skipped") or "ok"])
+    out.append(_table(["precision", *(["size"] if sized else []), name_header, "words/s", "peak MiB",
+                       f"wps / {baseline}", f"memory / {baseline}", "last loss", "output layer (from the log)",
+                       "status"], rows))
+    return "".join(out)
+
+
 def render_markdown(data):
     meta, parts = data["meta"], data["parts"]
     out = [f"# Accelerator check ({meta['mode']})\n",
@@ -1148,16 +1165,7 @@ def render_markdown(data):
         out.append(f"\n`{part['arch']}` / `{part['mlra_arch']}`, V={part['vocab']}, {part['tokens_per_sample']} tokens "
                    f"per sample, --max-tokens {part['max_tokens']}, {part['updates']} updates (the first "
                    f"{part['warmup_updates_dropped']} dropped); {part['data']}; memory: {part['memory']}.\n\n")
-        for precision, reason in part.get("not_runnable", {}).items():
-            out.append(f"Not run at {precision}: {reason}.\n\n")
-        rows = []
-        for r in part["runs"]:
-            ratio = part["ratios"].get(run_key(r), {})
-            rows.append([r["precision"], r["name"], r.get("wps"), r.get("peak_mib"), ratio.get("wps_vs_stock"),
-                         ratio.get("memory_vs_stock"), r.get("loss_last"), r.get("output_layer") or "–",
-                         r.get("error") or r.get("skipped") or "ok"])
-        out.append(_table(["precision", "run", "words/s", "peak MiB", "wps / stock", "memory / stock", "last loss",
-                           "output layer (from the log)", "status"], rows))
+        out.append(train_runs_table(part, "run", "stock"))
     if "train_mt" in parts:
         part = section("3b. fairseq-train, the WMT14 recipe's models", "train_mt")
         if "runs" in part:
@@ -1166,15 +1174,7 @@ def render_markdown(data):
                        f"--max-tokens {part['max_tokens']}, {part['updates']} updates (the first "
                        f"{part['warmup_updates_dropped']} dropped); {part['data']}; words = target tokens; memory: "
                        f"{part['memory']}.\n\n")
-            for precision, reason in part.get("not_runnable", {}).items():
-                out.append(f"Not run at {precision}: {reason}.\n\n")
-            out.append(_table(["precision", "size", "METHOD", "words/s", "peak MiB", "wps / baseline",
-                               "memory / baseline", "last loss", "output layer (from the log)", "status"],
-                              [[r["precision"], r.get("size"), r["name"], r.get("wps"), r.get("peak_mib"),
-                                part["ratios"].get(run_key(r), {}).get("wps_vs_stock"),
-                                part["ratios"].get(run_key(r), {}).get("memory_vs_stock"), r.get("loss_last"),
-                                r.get("output_layer") or "–", r.get("error") or r.get("skipped") or "ok"]
-                               for r in part["runs"]]))
+            out.append(train_runs_table(part, "METHOD", "baseline"))
     part = section("4. Embedding statistics", "stats")
     if part and "tev_step_ms" in part:
         out.append("\n" + _table(["V", "d", "TEV + mean cos step ms", "isotropy step ms", "ms per update (intervals "
