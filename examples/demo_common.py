@@ -400,14 +400,14 @@ def reuse_prepared(data_dir, source, vocab, tag):
 def train_command(method, model, train_flags, budget, data_bin, save_dir, seed, updates, cpu, data_flags=(),
                   log_lines=10):
     """fairseq-train's argument list of one run: ``method`` (criterion, arch, args and optionally
-    optimizer: a demo's METHODS entry or a variant of one), the architecture flags ``model``, the
+    optimizer and optimizer_args: a demo's METHODS entry or a variant of one), the architecture flags ``model``, the
     shared ``train_flags`` and ``data_flags``, ``budget``'s max_tokens and warm-up, ``updates``
     updates, about ``log_lines`` train_inner lines. The order of the flags is part of a study run's
     identity (study/store.py, ``run_key``)."""
     cmd = [console_script("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--arch", method["arch"],
            "--criterion", method["criterion"], *method["args"], *model, *train_flags, *data_flags,
            # after the shared flags: argparse keeps the last --optimizer
-           *(["--optimizer", method["optimizer"]] if "optimizer" in method else []),
+           *(["--optimizer", method["optimizer"], *method.get("optimizer_args", [])] if "optimizer" in method else []),
            "--max-tokens", str(budget["max_tokens"]),
            "--warmup-updates", str(min(budget["warmup"], max(1, updates // 4))),
            "--max-update", str(updates), "--seed", str(seed), "--save-dir", save_dir,

@@ -142,7 +142,8 @@ def tail_runs(budget) -> Runs:
         method = _variant(M["agg"], f"AGG, alpha {a:g} ({factor:.3g} x the paper's)", ["--agg-alpha", f"{a:g}"])
         out.append((f"agg-a{a:g}", method, model, flags, {"method": "agg", "alpha": a}))
     out += [(m, M[m], model, flags, {"method": m}) for m in ("cosreg", "face", "ul", "al")]
-    both = dict(_variant(M["agg"], "AGG, alpha 0.03, with Coupled Adam"), optimizer=M["coupled-adam"]["optimizer"])
+    both = dict(_variant(M["agg"], "AGG, alpha 0.03, with Coupled Adam"), optimizer=M["coupled-adam"]["optimizer"],
+                optimizer_args=M["coupled-adam"]["optimizer_args"])
     out.append(("agg+coupled-adam", both, model, flags, {"method": "agg+coupled-adam", "alpha": TAIL_ALPHA}))
     # at AGG's own operating point: the per-update rule, and freezing as in the paper's Table 1
     for factor in (1, 3, 1 / 3):

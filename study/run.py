@@ -58,6 +58,13 @@ def build_parser():
     p.add_argument("--budget", choices=P.BUDGETS, default="default",
                    help="smoke: a tiny model for a few updates (checks every step); default: the study")
     p.add_argument("--updates", type=int, help="updates per run (overrides the budget)")
+    p.add_argument("--validate-every", type=int, metavar="N",
+                   help="LM parts: a validation (and a resume checkpoint) every N updates (default: the budget's, "
+                        "else a tenth of the updates)")
+    p.add_argument("--epoch-checkpoints", action="store_true",
+                   help="keep fairseq's checkpoint of every epoch's end (checkpointE.pt, with the optimizer's state) "
+                        "in each run's directory, for a trajectory over epochs (study/trajectory.py); not part of "
+                        "a run's identity")
     p.add_argument("--only", nargs="+", metavar="NAME",
                    help="run only these runs of the selected parts, by name (e.g. baseline agg-a0.08 mlra-gpt2-L6)")
     p.add_argument("--work-dir", help="runs and reports (default: study_runs; study_runs-smoke with --budget smoke)")
@@ -137,7 +144,7 @@ def parse_args(argv):
             p.error(f"--compare-budget: {a.compare_budget} is the --work-dir itself; pass the other budget's work dir")
         if not any(x.budget_comparison for x in a.part):
             p.error(f"--compare-budget: none of the selected parts has a budget comparison (parts: {compared_parts()})")
-    for flag in ("uniq_prefixes", "uniq_prefix_len", "uniq_length", "spike_window"):
+    for flag in ("validate_every", "uniq_prefixes", "uniq_prefix_len", "uniq_length", "spike_window"):
         value = getattr(a, flag)
         if value is not None and value < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
@@ -189,6 +196,8 @@ def part_budget(a, part):
     budget = dict(part.budget[a.budget])
     if a.updates:
         budget["updates"] = a.updates
+    if a.validate_every:
+        budget["validate_every"] = a.validate_every
     return budget
 
 
@@ -214,7 +223,8 @@ def plan_part(a, part):
     out = []
     for spec in specs:
         d = store.run_dir(a.work_dir, part.name, spec.run_id)
-        cmd = store.resumable_command(spec.train_command(budget, budget["updates"], data_bin, d, a.cpu), budget["updates"])
+        cmd = store.resumable_command(spec.train_command(budget, budget["updates"], data_bin, d, a.cpu), budget["updates"],
+                                      epoch_checkpoints=a.epoch_checkpoints)
         key = store.run_key(cmd, data_bin, d, part.corpus.data_flags(a), evaluation_settings(a, part, budget))
         out.append((spec, d, cmd, key, store.finished(d)))
     return budget, out

@@ -94,33 +94,40 @@ def record_invocation(part_dir, seconds, runs_trained):
 # seed and the criterion's counts (tests/test_study.py checks that a resumed run ends as an
 # uninterrupted one). They are left out of a run's identity, with the number of values each takes.
 RESUME_FLAGS = {"--save-interval-updates": 1, "--keep-interval-updates": 1, "--no-save-optimizer-state": 0}
+# Which checkpoints are kept changes nothing a run computes either: with --epoch-checkpoints the
+# demos' --no-epoch-checkpoints is dropped, and a run's identity is the same with or without it.
+KEY_NEUTRAL_FLAGS = {**RESUME_FLAGS, "--no-epoch-checkpoints": 0}
 
 
-def without_resume_flags(flags):
+def without_resume_flags(flags, dropped=RESUME_FLAGS):
     out, i = [], 0
     while i < len(flags):
-        if flags[i] in RESUME_FLAGS:
-            i += 1 + RESUME_FLAGS[flags[i]]
+        if flags[i] in dropped:
+            i += 1 + dropped[flags[i]]
             continue
         out.append(flags[i])
         i += 1
     return out
 
 
-def resumable_command(cmd, updates):
+def resumable_command(cmd, updates, epoch_checkpoints=False):
     """fairseq-train's command ``cmd`` made resumable: a checkpoint with the optimizer's state at
     each validation (``--validate-interval-updates``, else every tenth of ``updates``), of which
-    only the newest is kept beside checkpoint_last.pt."""
+    only the newest is kept beside checkpoint_last.pt; with ``epoch_checkpoints`` also fairseq's
+    checkpoint of every epoch's end (``--no-epoch-checkpoints`` dropped)."""
     every = cmd[cmd.index("--validate-interval-updates") + 1] if "--validate-interval-updates" in cmd \
         else str(max(1, updates // 10))
-    return [*without_resume_flags(cmd), "--save-interval-updates", every, "--keep-interval-updates", "1"]
+    kept = without_resume_flags(cmd)
+    if epoch_checkpoints:
+        kept = [x for x in kept if x != "--no-epoch-checkpoints"]
+    return [*kept, "--save-interval-updates", every, "--keep-interval-updates", "1"]
 
 
 def run_key(cmd, data_bin, directory, data_flags, evaluation):
     """What makes two runs the same run: fairseq-train's flags (with the data and run directory as
     placeholders, so that a moved work directory still matches; the resume flags left out), the
     data flags and the evaluation settings."""
-    flags = [{data_bin: "DATA", directory: "RUN_DIR"}.get(x, x) for x in without_resume_flags(cmd[1:])]
+    flags = [{data_bin: "DATA", directory: "RUN_DIR"}.get(x, x) for x in without_resume_flags(cmd[1:], KEY_NEUTRAL_FLAGS)]
     return {"train_flags": flags, "data": data_flags, "evaluation": evaluation}
 
 
@@ -130,7 +137,7 @@ def stored_key(run_json):
     key = run_json.get("key")
     if not isinstance(key, dict) or not isinstance(key.get("train_flags"), list):
         return key
-    return {**key, "train_flags": without_resume_flags(key["train_flags"])}
+    return {**key, "train_flags": without_resume_flags(key["train_flags"], KEY_NEUTRAL_FLAGS)}
 
 
 def resumable_attempts(directory, key, readable):

@@ -99,6 +99,12 @@ def test_the_resume_flags_are_no_part_of_a_runs_identity(tmp_path):
     assert key == store.run_key(cmd, "DATA", "RUN", {}, {}) == store.stored_key({"key": store.run_key(cmd, "x", "y", {}, {})})
     assert key["train_flags"] == ["DATA", "--seed", "1", "--validate-interval-updates", "30"]
 
+    # --epoch-checkpoints keeps fairseq's end-of-epoch checkpoints; the run's identity is the same
+    demo = cmd + ["--no-epoch-checkpoints"]
+    with_epochs = store.resumable_command(demo, 300, epoch_checkpoints=True)
+    assert "--no-epoch-checkpoints" not in with_epochs and "--no-epoch-checkpoints" in store.resumable_command(demo, 300)
+    assert store.run_key(with_epochs, "DATA", "RUN", {}, {}) == store.run_key(demo, "DATA", "RUN", {}, {}) == key
+
     # what may be resumed: same key, an attempts record, an intact checkpoint, no result
     d = tmp_path / "run"
     d.mkdir()
@@ -340,6 +346,7 @@ def smoke_args(fixtures, work, part, *only):
     (["--uniq-prefix-len", "100", "--uniq-length", "100"], "--uniq-prefix-len + --uniq-length must be <= 128"),
     (["--spike-gnorm-factor", "0"], "--spike-gnorm-factor must be > 0"),
     (["--spike-window", "0"], "--spike-window must be >= 1"),
+    (["--validate-every", "0"], "--validate-every must be >= 1"),
     (["--seeds", "1", "1"], "--seeds must be distinct"),
     (["--budget", "huge"], "--budget"),
 ])

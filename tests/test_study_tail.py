@@ -198,11 +198,28 @@ def test_tail_runs_three_seeds_of_the_main_methods_and_one_of_the_others():
     for name in ("coupled-adam", "agg+coupled-adam"):
         c = cmd(name)
         assert c[len(c) - 1 - c[::-1].index("--optimizer") + 1] == "coupled_adam"  # the last --optimizer wins
+        # weight decay as Coupled Adam's authors run it: not on the embedding nor the 1-D parameters
+        assert c[c.index("--coupled-adam-decay") + 1] == "non-embedding-matrices"
+    assert all("--coupled-adam-decay" not in cmd(n) for n in ("baseline", "agg", "al"))
     c = cmd("al")
     assert c[c.index("--criterion") + 1] == "augmented_loss" and "--share-decoder-input-output-embed" in c
     c = cmd("baseline")
     assert c[c.index("--decoder-embed-dim") + 1] == str(P.TAIL_WIDTH) and "--decoder-normalize-before" in c
     assert 64 <= P.TAIL_WIDTH <= 256
+
+
+def test_four_epoch_flags_reach_the_plan_and_leave_the_run_key_as_it_is(tmp_path):
+    argv = ["--part", "tail", "--seeds", "1", "--only", "baseline", "--work-dir", str(tmp_path)]
+    _, a = SR.parse_args(argv)
+    plain_cmd = SR.plan_part(a, a.part[0])[1][0][2]
+    _, a = SR.parse_args(argv + ["--updates", "12604", "--validate-every", "600", "--epoch-checkpoints"])
+    budget, ((spec, _, cmd, key, _),) = SR.plan_part(a, a.part[0])
+    assert budget["updates"] == 12604 and cmd[cmd.index("--max-update") + 1] == "12604"
+    assert cmd[cmd.index("--validate-interval-updates") + 1] == cmd[cmd.index("--save-interval-updates") + 1] == "600"
+    assert "--no-epoch-checkpoints" not in cmd and "--no-epoch-checkpoints" in plain_cmd
+    _, a = SR.parse_args(argv + ["--updates", "12604", "--validate-every", "600"])
+    assert SR.plan_part(a, a.part[0])[1][0][3] == key  # keeping the epoch checkpoints changes no run's identity
+    assert not tmp_path.joinpath("tail").exists()  # planning writes nothing
 
 
 @pytest.mark.parametrize("expected, diff, exceeds, verdict", [

@@ -75,9 +75,11 @@ METHODS = {
     "ul": {"criterion": "cross_entropy_unlikelihood", "arch": "transformer_lm_gpt", "args": [],
            "what": "CE + token-level unlikelihood, alpha 1 (Welleck et al. 2020)"},
     # an optimizer instead of a criterion (docs/coupled_adam.md); not in the default list either
+    # weight decay as its authors run it: the coupled embedding and the 1-D parameters undecayed
     "coupled-adam": {"criterion": "cross_entropy", "arch": "transformer_lm_gpt", "optimizer": "coupled_adam",
-                     "args": [], "what": "stock CE, Coupled Adam: the embedding rows share Adam's second moment "
-                     "(Stollenwerk & Stollenwerk 2025)"},
+                     "optimizer_args": ["--coupled-adam-decay", "non-embedding-matrices"],
+                     "args": [], "what": "stock CE, Coupled Adam: the embedding rows share Adam's second moment, "
+                     "decay of the other matrices only (Stollenwerk & Stollenwerk 2025)"},
 }
 DEFAULT_METHODS = ["baseline", "agg", "al", "mlra", "agg+mlra"]
 
