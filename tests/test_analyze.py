@@ -17,7 +17,7 @@ import fairseq_agg_cli as cli
 from fairseq_agg.fairseq_facts.dictionary import madeupword_ids
 from fairseq_agg.analysis import analyze as A
 from fairseq_agg.stats import groups as G
-from fairseq_agg.stats.metrics import isotropy, mean_pairwise_cosine, tev_stats
+from fairseq_agg.stats.metrics import isotropy, mean_direction_drift, mean_pairwise_cosine, tev_stats
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -48,6 +48,14 @@ def _check_matrix_entry(entry, W, d):
         gm[ids] = True
         for key, value in _expected_metrics(W, (gm & mask).nonzero().reshape(-1)).items():
             assert entry["groups"][g][key] == pytest.approx(value, rel=1e-9), (g, key)
+    rows = mask.nonzero().reshape(-1)
+    assert entry["drift"] == pytest.approx(mean_direction_drift(W, rows), rel=1e-9)
+    # by hand: the projections on the unit mean of the analysis rows, halves in dictionary order
+    X64 = W[rows].double()
+    u = X64.mean(0) / X64.mean(0).norm()
+    half = (rows.numel() + 1) // 2
+    assert entry["drift"]["drift_rare"] == pytest.approx((X64[half:] @ u).mean().item(), rel=1e-9)
+    assert entry["drift"]["drift_frequent"] == pytest.approx((X64[:half] @ u).mean().item(), rel=1e-9)
     X = W[mask].double().numpy()
     k = min(X.shape)
     assert np.array(entry["singular_values"][:k]) == pytest.approx(np.linalg.svd(X, compute_uv=False), rel=1e-6)
@@ -96,6 +104,10 @@ def test_cli_report_figures_and_ppl_against_eval_lm(lm_ckpts, lm_data_bin, tmp_p
     # the two checkpoints differ (training moved the embeddings)
     assert report["checkpoints"][0]["matrices"]["dec"]["all"]["tev_mu"] != report["checkpoints"][1]["matrices"]["dec"]["all"]["tev_mu"]
     assert report["table"]["columns"][:3] == ["label", "matrix", "tev_mu"] and len(report["table"]["rows"]) == 2
+    cols = report["table"]["columns"]
+    for row, ck in zip(report["table"]["rows"], report["checkpoints"]):  # the table's drift cells
+        for key in A.DRIFT_COLUMNS:
+            assert row[cols.index(key)] == ck["matrices"]["dec"]["drift"][key]
     assert (out / "table.md").read_text().count("\n") == 4
 
     # perplexity: fairseq-eval-lm's total and its own per-token scores, grouped by the same ids

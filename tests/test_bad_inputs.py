@@ -2,12 +2,18 @@
 user hits it, is ONE line ``PROG: error: MESSAGE`` naming the flag or file and what is allowed, with
 exit status 2, no traceback, and nothing written.
 
-Each case is one real ``fairseq-train`` (or ``fairseq-agg-analyze``, ``fairseq-agg
-average-checkpoints``) subprocess on the tiny data-bin. ``fairseq-train`` prints its own log and
-warnings first, so there the error is the last line of stderr; the plugin's own commands print
-nothing else but, for analyze, its INFO progress lines. Covered elsewhere in the same form:
-``--optimizer coupled_adam``'s refusals (tests/test_coupled_adam.py) and the output, duplicate and
-unreadable-input refusals of average-checkpoints (tests/test_average_checkpoints.py).
+Each case runs the command's own entry point (``fairseq-train``'s ``cli_main``, ``fairseq-agg``'s
+``main``) on the tiny data-bin inside the test process (tests/support/in_process.py): the same
+parsing, task, model, criterion and optimizer set-up and checkpoint loading a process would do,
+and the same exit status and stderr, without a process start per case. Each channel a refusal
+takes also runs once as a real subprocess here (``test_each_refusal_channel_in_a_real_process``):
+argparse's own error, the plugin's invalid choice, a start-up check of the plugin, each command
+of fairseq-agg; a refused checkpoint load is a real process in tests/test_faults_checkpoints.py.
+``fairseq-train`` prints its own log and warnings first, so there the error is the last line of
+stderr; the plugin's own commands print nothing else but, for analyze, its INFO progress lines.
+Covered elsewhere in the same form: ``--optimizer coupled_adam``'s refusals
+(tests/test_coupled_adam.py) and the output, duplicate and unreadable-input refusals of
+average-checkpoints (tests/test_average_checkpoints.py).
 """
 import importlib.util
 import os
@@ -16,6 +22,7 @@ import re
 import pytest
 import torch
 
+import in_process
 from fairseq_runs import TINY_LM_ARGS, USER_DIR, run_cli
 
 AGG = ["--criterion", "cross_entropy_agg"]
@@ -199,7 +206,7 @@ def test_refused_at_start_up(lm_data_bin, tmp_path, extra, expected):
     # fairseq-train logs and warns before the plugin's checks run; argparse's own refusals print
     # the usage first
     save_dir = str(tmp_path / "ckpt")
-    proc = run_cli("fairseq-train", _base_args(lm_data_bin, save_dir, extra), expect_ok=False, timeout=300)
+    proc = in_process.fairseq_train(_base_args(lm_data_bin, save_dir, extra))
     _assert_refused_in_one_line(proc, "fairseq-train", expected)
     _assert_nothing_written(save_dir)
 
@@ -236,7 +243,7 @@ ANALYZE_IDS = ["missing-checkpoint", "not-a-checkpoint", "data-dir-missing", "da
 def test_analyze_refuses_with_one_line(trained_checkpoint, tmp_path, case):
     args, expected = _analyze_cases(trained_checkpoint, str(tmp_path))[case]
     out_dir = str(tmp_path / "report")
-    proc = run_cli("fairseq-agg-analyze", args + ["--out", out_dir], expect_ok=False, timeout=300)
+    proc = in_process.fairseq_agg_analyze(args + ["--out", out_dir])
     # before the error, at most analyze's progress lines (INFO); a warning, a second error or a
     # traceback fails
     _assert_refused_in_one_line(proc, "fairseq-agg-analyze", expected, may_precede=INFO_LINE.match)
@@ -280,8 +287,7 @@ def test_average_checkpoints_refuses_with_one_line(trained_checkpoint, tmp_path,
     args, expected = _average_cases(trained_checkpoint, str(tmp_path))[case]
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    proc = run_cli("fairseq-agg", ["average-checkpoints"] + args + ["--output", out_dir / "avg.pt"],
-                   expect_ok=False, timeout=300)
+    proc = in_process.fairseq_agg_command(["average-checkpoints"] + args + ["--output", out_dir / "avg.pt"])
     _assert_refused_in_one_line(proc, "fairseq-agg average-checkpoints", expected, may_precede=lambda line: False)
     assert proc.stdout == ""
     _assert_nothing_written(str(out_dir))
@@ -303,15 +309,47 @@ CHOICE_CASES = [
 @pytest.mark.parametrize("extra,line", CHOICE_CASES, ids=[case[0][-2] if len(case[0]) > 2 else case[0][-1] for case in CHOICE_CASES])
 def test_an_invalid_choice_of_a_plugin_flag_is_its_only_line(lm_data_bin, tmp_path, extra, line):
     save_dir = str(tmp_path / "ckpt")
-    proc = run_cli("fairseq-train", _base_args(lm_data_bin, save_dir, extra), expect_ok=False, timeout=300)
+    proc = in_process.fairseq_train(_base_args(lm_data_bin, save_dir, extra))
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"fairseq-train: error: {line}"], proc.stderr[-3000:]
     _assert_nothing_written(save_dir)
 
 
-def test_an_invalid_choice_of_a_fairseq_flag_keeps_argparse_usage(lm_data_bin, tmp_path):
-    proc = run_cli("fairseq-train", _base_args(lm_data_bin, str(tmp_path / "ckpt"), ["--criterion", "nonexistent"]),
-                   expect_ok=False, timeout=300)
+def _assert_argparse_usage_kept(proc):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and lines[0].startswith("usage: fairseq-train")
     assert lines[-1].startswith("fairseq-train: error: argument --criterion: invalid choice: 'nonexistent'")
+
+
+def test_an_invalid_choice_of_a_fairseq_flag_keeps_argparse_usage(lm_data_bin, tmp_path):
+    _assert_argparse_usage_kept(
+        in_process.fairseq_train(_base_args(lm_data_bin, str(tmp_path / "ckpt"), ["--criterion", "nonexistent"])))
+
+
+# --- each channel once as a real process: the console scripts and the plugin's hooks as a fresh
+# process installs them (the cases above run their entry points in this process)
+
+def test_each_refusal_channel_in_a_real_process(lm_data_bin, trained_checkpoint, tmp_path):
+    # argparse's own error keeps its usage text
+    _assert_argparse_usage_kept(run_cli("fairseq-train", _base_args(lm_data_bin, str(tmp_path / "a"),
+                                                                    ["--criterion", "nonexistent"]), expect_ok=False))
+    # the plugin's invalid choice is its only line
+    extra, line = CHOICE_CASES[0]
+    proc = run_cli("fairseq-train", _base_args(lm_data_bin, str(tmp_path / "b"), extra), expect_ok=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [f"fairseq-train: error: {line}"]
+    # a start-up check of the plugin (raised inside fairseq's main, printed by the plugin's hook)
+    for case_id, extra, expected in TRAIN_CASES:
+        if case_id in ("agg-alpha-zero", "agg-adaptive-softmax"):
+            save_dir = str(tmp_path / case_id)
+            _assert_refused_in_one_line(run_cli("fairseq-train", _base_args(lm_data_bin, save_dir, extra),
+                                                expect_ok=False), "fairseq-train", expected)
+            _assert_nothing_written(save_dir)
+    # each command of fairseq-agg
+    args, expected = _analyze_cases(trained_checkpoint, str(tmp_path))["bad-rows"]
+    proc = run_cli("fairseq-agg-analyze", args + ["--out", tmp_path / "report"], expect_ok=False)
+    _assert_refused_in_one_line(proc, "fairseq-agg-analyze", expected, may_precede=INFO_LINE.match)
+    args, expected = _average_cases(trained_checkpoint, str(tmp_path))["upper-bound-without-num"]
+    proc = run_cli("fairseq-agg", ["average-checkpoints"] + args + ["--output", tmp_path / "avg.pt"], expect_ok=False)
+    _assert_refused_in_one_line(proc, "fairseq-agg average-checkpoints", expected, may_precede=lambda line: False)
+    _assert_nothing_written(str(tmp_path / "report"))
+    assert not (tmp_path / "avg.pt").exists()

@@ -12,6 +12,7 @@ from fairseq.data import Dictionary
 from fairseq_agg.fairseq_facts.dictionary import madeupword_ids
 from fairseq_agg.stats import groups as G
 from fairseq_agg.stats.metrics import (
+    mean_direction_drift,
     ISOTROPY_FORMS,
     canonical_signs,
     embedding_spectrum,
@@ -248,6 +249,41 @@ def test_mean_pairwise_cosine_matches_explicit_matrix():
     rows = torch.arange(n)
     assert mean_pairwise_cosine(Wz, rows) == pytest.approx(expected, rel=1e-10)
     assert mean_pairwise_cosine(torch.ones(4, 3)) == pytest.approx(1.0, abs=1e-12)
+
+
+def test_mean_direction_drift_by_hand():
+    # rows (1,0), (1,0), (3,1), (3,-1): m = (2,0), u = (1,0), norms 1, 1, √10, √10
+    W = torch.tensor([[1.0, 0.0], [1.0, 0.0], [3.0, 1.0], [3.0, -1.0]])
+    d = mean_direction_drift(W)
+    assert d["mean_norm_share"] == pytest.approx(2 / ((1 + math.sqrt(10)) / 2), rel=1e-12)
+    assert d["drift_frequent"] == pytest.approx(1.0, rel=1e-12) and d["drift_rare"] == pytest.approx(3.0, rel=1e-12)
+    assert d["drift_frequent_share"] == pytest.approx(1.0, rel=1e-12)
+    assert d["drift_rare_share"] == pytest.approx(3 / math.sqrt(10), rel=1e-12)
+    # centred rows (-1,0), (-1,0), (1,1), (1,-1): eigenvectors ±e1, ±e2 of [[4,0],[0,2]];
+    # Z(±e1) = 2(e + 1/e), Z(±e2) = 2 + e + 1/e
+    e = math.e
+    assert d["isotropy_centred"] == pytest.approx((2 + e + 1 / e) / (2 * (e + 1 / e)), rel=1e-9)
+    # the rows argument selects and orders (here: the rare rows first), chunks change nothing
+    swapped = mean_direction_drift(W, rows=torch.tensor([2, 3, 0, 1]), chunk_rows=3)
+    assert swapped["drift_frequent"] == pytest.approx(3.0) and swapped["drift_rare"] == pytest.approx(1.0)
+    # an odd count: the frequent half takes the middle row
+    odd = mean_direction_drift(torch.tensor([[2.0, 0.0], [1.0, 0.0], [0.0, 0.0]]))
+    assert odd["drift_frequent"] == pytest.approx(1.5) and odd["drift_rare"] == pytest.approx(0.0)
+    assert odd["drift_rare_share"] is None  # the rare half's one row is zero: no norm to share
+    # undefined: a zero mean has no direction, one row no halves
+    centred = mean_direction_drift(torch.tensor([[1.0, 2.0], [-1.0, -2.0]]))
+    assert centred["drift_rare"] is None and centred["mean_norm_share"] == 0.0
+    assert set(mean_direction_drift(W[:1]).values()) == {None}
+
+
+def test_mean_direction_drift_of_low_precision_rows_matches_float64():
+    W = torch.randn(50, 8, generator=torch.Generator().manual_seed(0)) + 0.5
+    exact = mean_direction_drift(W.double())
+    for dtype in (torch.float32, torch.bfloat16):
+        low = mean_direction_drift(W.to(dtype).double())
+        got = mean_direction_drift(W.to(dtype))
+        assert got == pytest.approx(low, rel=1e-5)
+    assert mean_direction_drift(W) == pytest.approx(exact, rel=1e-5)
 
 
 def test_spectrum_matches_numpy_svd():

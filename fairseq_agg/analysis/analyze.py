@@ -50,7 +50,10 @@ report.json schema (version 1)
               "all": {"rows": n, "tev_mu": f, "tev_sigma": f, "tev_mu_over_init": f,
                       "mean_cos": f, "isotropy": f, "isotropy_raw": f, "isotropy_fixed": f},
               "groups": {"freq": {same keys as "all"}, "med": {...}, "rare": {...}},
-              "singular_values": [σ_1 >= σ_2 >= ... >= σ_d]
+              "singular_values": [σ_1 >= σ_2 >= ... >= σ_d],
+              "drift": {"mean_norm_share", "drift_frequent", "drift_rare", "drift_frequent_share",
+                        "drift_rare_share", "isotropy_centred"} or null (no dictionary)
+                       (the rows' drift along their mean direction: stats.metrics.mean_direction_drift)
             }, ...
           },
           "ppl": {"split": "valid", "context_window": C, "tokens_per_sample": T (null for MT),
@@ -96,7 +99,8 @@ from fairseq_agg.errors import UsageError
 from fairseq_agg.files import atomic_directory, check_output_directory, irregular_file_kind
 from fairseq_agg.stats import groups as G
 from fairseq_agg.stats.matrices import EMBEDDING_PARAMS, EmbeddingMatrix, dictionary_for, distinct_matrices, matrix_rows
-from fairseq_agg.stats.metrics import ISOTROPY_FORMS, embedding_spectrum, isotropy, mean_pairwise_cosine, tev_stats
+from fairseq_agg.stats.metrics import (ISOTROPY_FORMS, embedding_spectrum, isotropy, mean_direction_drift,
+                                      mean_pairwise_cosine, tev_stats)
 
 from .agg_window import agg_window_report, split_target_counts
 from .checkpoints import (
@@ -164,7 +168,9 @@ def matrix_report(W, dictionary, rows_policy="no-pad-madeup", fractions=G.DEFAUL
     group_rows = OrderedDict((g, r.to(W.device)) for g, r in selected.groups.items())
     spec = embedding_spectrum(W, rows)
     rep = {"all": row_metrics(W, rows, spec), "groups": None,
-           "singular_values": [float(s) for s in spec.singular_values.cpu()]}
+           "singular_values": [float(s) for s in spec.singular_values.cpu()],
+           # halves by frequency need the dictionary's order
+           "drift": None if dictionary is None else mean_direction_drift(W, rows)}
     if groups is not None:
         rep["groups"] = OrderedDict((g, row_metrics(W, r)) for g, r in group_rows.items())
     return rep, {"W": W, "rows": rows, "spectrum": spec, "group_rows": group_rows}
@@ -280,8 +286,15 @@ AGG_COLUMNS = {"agg_rare": "rare", "agg_rare_below_per_epoch": "rare_below_per_e
                "agg_target_share": "target_share"}
 
 
+# the drift along the mean direction in the table (report.json has all of DRIFT_KEYS)
+DRIFT_COLUMNS = ("mean_norm_share", "drift_frequent", "drift_rare", "isotropy_centred")
+
+
 def build_table(reports):
     cols = ["label", "matrix"] + list(METRIC_KEYS) + [f"isotropy_{g}" for g in G.GROUP_NAMES]
+    with_drift = any(m.get("drift") for r in reports for m in r["matrices"].values())
+    if with_drift:
+        cols += list(DRIFT_COLUMNS)
     with_ppl = any(r.get("ppl") for r in reports)
     if with_ppl:
         cols += ["ppl"] + [f"ppl_{g}" for g in G.GROUP_NAMES]
@@ -296,6 +309,8 @@ def build_table(reports):
         for name, m in r["matrices"].items():
             row = [r["label"], name] + [m["all"].get(k) for k in METRIC_KEYS]
             row += [(m["groups"] or {}).get(g, {}).get("isotropy") for g in G.GROUP_NAMES]
+            if with_drift:
+                row += [(m.get("drift") or {}).get(k) for k in DRIFT_COLUMNS]
             if with_ppl:
                 p = r.get("ppl") or {}
                 row += [(p.get("total") or {}).get("ppl")]

@@ -17,6 +17,10 @@ upcast chunk by chunk.
 * :func:`mean_pairwise_cosine` - mean over i ≠ j of cos(w_i, w_j) = (‖Σŵ_i‖² − Σ‖ŵ_i‖²) / (n(n−1))
   (the quantity CosReg of Gao et al., ICLR 2019, regularises), exact and O(V·d).
 * :func:`embedding_spectrum` - singular values and right-singular directions (float64).
+* :func:`mean_direction_drift` - how far the rows have moved together along their common mean
+  direction u = m/‖m‖, m = mean(W): ‖m‖ / mean ‖w_i‖, the mean projection wᵀu of the frequent and
+  the rare half of the rows (dictionary order is frequency order), each also as a share of its
+  half's mean row norm, and I(W) of the centred rows (the isotropy left without the common offset).
 
 Per-group perplexity is in :mod:`fairseq_agg.analysis.perplexity`.
 """
@@ -249,3 +253,53 @@ def mean_pairwise_cosine(
         s += unit.sum(0)
         sq += (unit * unit).sum()
     return ((s @ s - sq) / (n * (n - 1))).item()
+
+
+# the keys :func:`mean_direction_drift` returns
+DRIFT_KEYS = ("mean_norm_share", "drift_frequent", "drift_rare", "drift_frequent_share", "drift_rare_share",
+              "isotropy_centred")
+
+
+@torch.no_grad()
+def mean_direction_drift(
+    W: torch.Tensor, rows: Optional[torch.Tensor] = None, chunk_rows: int = DEFAULT_CHUNK_ROWS
+) -> Dict[str, Optional[float]]:
+    """The rows' drift along their common mean (docs/stats.md, "Drift along the mean direction").
+
+    With m = mean_i w_i over ``rows`` (in the order given; a fairseq dictionary's order is
+    frequency order) and u = m / ‖m‖: ``mean_norm_share`` = ‖m‖ / mean_i ‖w_i‖; ``drift_frequent``
+    and ``drift_rare`` = the mean of w_iᵀu over the first ⌈n/2⌉ and the last ⌊n/2⌋ rows, and
+    ``*_share`` each divided by its half's mean ‖w_i‖; ``isotropy_centred`` = the sign-symmetric
+    I(W) of the rows w_i − m. float64. ``None`` where undefined (fewer than two rows, m = 0, a
+    half of zero rows).
+    """
+    _check_matrix(W)
+    rows = _as_rows(W, rows)
+    n = _num_rows(W, rows)
+    out = dict.fromkeys(DRIFT_KEYS)
+    if n < 2:
+        return out
+    total = torch.zeros(W.size(1), dtype=torch.float64, device=W.device)
+    norms = []
+    for block in _iter_chunks(W, rows, torch.float64, chunk_rows):
+        total += block.sum(0)
+        norms.append(block.norm(dim=1))
+    mean, norms = total / n, torch.cat(norms)
+    mean_norm = mean.norm()
+    if norms.mean() > 0:
+        out["mean_norm_share"] = (mean_norm / norms.mean()).item()
+    if mean_norm > 0:
+        u = mean / mean_norm
+        proj = torch.cat([block @ u for block in _iter_chunks(W, rows, torch.float64, chunk_rows)])
+        half = (n + 1) // 2
+        for name, part in (("frequent", slice(0, half)), ("rare", slice(half, n))):
+            out[f"drift_{name}"] = proj[part].mean().item()
+            if norms[part].mean() > 0:
+                out[f"drift_{name}_share"] = (proj[part].mean() / norms[part].mean()).item()
+    selected = W if rows is None else W.index_select(0, rows)
+    # the centred copy in W's own precision (float32 at most for a low-precision W): isotropy
+    # upcasts it chunk by chunk
+    dtype = torch.promote_types(selected.dtype, torch.float32)
+    centred = selected.to(dtype) - mean.to(dtype)
+    out["isotropy_centred"] = isotropy(centred, chunk_rows=chunk_rows)["isotropy"]
+    return out
