@@ -7,6 +7,7 @@ budget comparison with a second budget made from its result.json files)."""
 import io
 import json
 import math
+import os
 import shutil
 import tarfile
 
@@ -532,3 +533,58 @@ def test_a_bad_compare_budget_is_one_clear_error_before_anything_is_written(tmp_
         assert proc.returncode == 2 and message in proc.stderr, out
         assert proc.stderr.strip().splitlines()[-1].startswith("scripts/run_study.sh: error: --compare-budget")
         assert not work.exists() and not any(empty.iterdir())
+
+
+# ---------------------------------------------------------------------------- trajectories
+
+
+def test_a_trajectory_measures_every_epoch_end_as_the_runs_evaluation_does(lm_data_bin, tmp_path, capsys):
+    from fairseq.data import Dictionary
+
+    from fairseq_agg.analysis.analyze import analyze
+    from fairseq_agg.stats import groups as G
+    from fairseq_agg.stats.metrics import mean_direction_drift
+    from fairseq_runs import TINY_LM_ARGS, run_cli
+    from study import store, trajectory as TJ
+
+    run = tmp_path / "baseline-s1"
+    # 2 epochs of the tiny corpus (7 updates of 2,048 tokens each) and 3 updates into the third
+    run_cli("fairseq-train", [lm_data_bin, "--save-dir", run, "--max-update", "17", *TINY_LM_ARGS, "--max-tokens", "2048"])
+    store.write_json_atomic(str(run / store.RUN_JSON), {
+        "run_id": "baseline-s1", "name": "baseline", "seed": 1, "updates": 17,
+        "data": {"data_bin": lm_data_bin, "stamp": {"source": "fixture"}},
+        "key": {"evaluation": {"split": "test", "context_window": 16}}})
+    assert [os.path.basename(p) for p in TJ.epoch_checkpoints(str(run))] == [
+        "checkpoint1.pt", "checkpoint2.pt", "checkpoint_last.pt"]
+    assert TJ.main([str(run)]) == 0
+    result = json.loads((run / TJ.TRAJECTORY_JSON).read_text())
+    points = result["points"]
+    assert [p["updates"] for p in points] == [7, 14, 17] and [p["epoch"] for p in points] == [1, 2, 3]
+    for point in points:  # each point as the run's evaluation measures that checkpoint
+        ckpt = str(run / point["checkpoint"])
+        W = torch.load(ckpt, map_location="cpu", weights_only=False)["model"]["decoder.embed_tokens.weight"]
+        report = analyze([ckpt], data=lm_data_bin, split="test", out=str(tmp_path / "a"), ppl=False, figures=False,
+                         fractions=T.GROUPINGS["paper"], device="cpu")
+        stats = report["checkpoints"][0]["matrices"]["dec"]
+        assert point["isotropy"] == stats["all"]["isotropy"] and point["mean_cos"] == stats["all"]["mean_cos"]
+        rows = G.row_mask(Dictionary.load(os.path.join(lm_data_bin, "dict.txt"))).nonzero().reshape(-1)
+        assert point["drift_rare"] == pytest.approx(mean_direction_drift(W, rows)["drift_rare"], rel=1e-12)
+        ppl = T.group_perplexities(ckpt, lm_data_bin, "test", 16)
+        assert point["test_ppl"] == ppl["paper"]["total"]["ppl"] == ppl["demo"]["total"]["ppl"]
+        assert point["test_ppl_demo"] == {g: v["ppl"] for g, v in ppl["demo"]["groups"].items()}
+    assert points[0]["test_ppl"] > points[-1]["test_ppl"]  # training lowered it
+
+    endpoints = tmp_path / "ends.json"
+    endpoints.write_text(json.dumps({"baseline": [[8, 0.5, 300.0]], "agg-pu": [[16, 0.6, 280.0]]}))
+    figure = tmp_path / "trajectory.png"
+    assert TJ.main(["--figure", str(figure), str(run / TJ.TRAJECTORY_JSON), "--endpoints", str(endpoints)]) == 0
+    assert figure.read_bytes()[:8] == PNG_MAGIC
+    for bad, message in ((tmp_path, "not a study run directory"), (tmp_path / "nosuch", "no such file")):
+        with pytest.raises(SystemExit) as stop:
+            TJ.main([str(bad)])
+        assert stop.value.code == 2 and message in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / store.RUN_JSON).write_text("{}")
+    with pytest.raises(SystemExit):
+        TJ.main([str(tmp_path / "empty")])
+    assert "no checkpoint of an epoch's end" in capsys.readouterr().err
