@@ -40,6 +40,7 @@ def analysis_numbers(report):
         out[f"test_ppl_{g}"] = report["ppl"]["groups"][g]["ppl"]
     for key in ("isotropy", "isotropy_raw", "isotropy_fixed", "tev_mu", "tev_sigma", "mean_cos"):
         out[key] = stats[key]
+    out.update(report["matrices"][name].get("drift") or {})  # the rows' drift along their mean direction
     ws = report.get("word_similarity") or {}
     out["word_similarity"] = {stem: by_matrix.get(name) for stem, by_matrix in ws.items()}
     return out

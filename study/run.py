@@ -31,6 +31,7 @@ from study import parts as P
 from study import report as R
 from study import store
 from study import tail_data
+from study import trajectory as TJ
 from study.evaluate import projection_figure
 from study.metrics import resumed_log, valid_curve
 
@@ -369,6 +370,8 @@ def execute(ctx, part, budget, spec, directory, cmd, key):
     if part.corpus.language_model:
         result["metrics"]["valid_ppl"] = result["curves"]["valid_ppl"][-1][1] if result["curves"]["valid_ppl"] else None
     result["wall_seconds"] = sum(seconds) + time.time() - evaluation_started
+    if ctx.a.epoch_checkpoints and part.groupings:  # the run's trajectory over its epochs, before result.json
+        store.write_json_atomic(os.path.join(directory, TJ.TRAJECTORY_JSON), TJ.trajectory(directory))
     store.write_json_atomic(os.path.join(directory, store.RESULT_JSON), result)
     store.remove_interval_checkpoints(directory)
     return result
