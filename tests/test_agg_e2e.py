@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 
+import in_process
 from fairseq_runs import TINY_LM_ARGS, TINY_MT_ARGS, USER_DIR, read_json_log, run_cli
 
 N = 16  # resume point: mid-epoch (one epoch of the tiny LM data is 28 updates)
@@ -197,12 +198,10 @@ LSTM_LM = [
 )
 def test_bad_input_fails_before_any_checkpoint(lm_data_bin, tmp_path, case, base, extra, needle):
     save_dir = str(tmp_path / case)
-    proc = run_cli(
-        "fairseq-train",
+    # fairseq-train's entry point in this process (tests/support/in_process.py)
+    proc = in_process.fairseq_train(
         [lm_data_bin, "--user-dir", USER_DIR] + base
-        + ["--criterion", "cross_entropy_agg", "--max-update", "3", "--save-dir", save_dir] + extra,
-        expect_ok=False,
-    )
-    assert proc.returncode != 0
+        + ["--criterion", "cross_entropy_agg", "--max-update", "3", "--save-dir", save_dir] + extra)
+    assert proc.returncode == 2
     assert needle in proc.stderr, proc.stderr[-3000:]
     assert checkpoints(save_dir) == []  # nothing written, not even fairseq's crash.pt

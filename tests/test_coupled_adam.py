@@ -21,6 +21,7 @@ import torch
 from fairseq.optim.adam import Adam as FairseqTorchAdam
 
 from fairseq_agg.optim import CoupledAdam, CoupledBlock
+import in_process
 from fairseq_runs import TINY_LM_ARGS, TINY_MT_ARGS, USER_DIR, build_parts, read_json_log, run_cli
 
 LR, BETAS, EPS, WD = 0.01, (0.9, 0.98), 1e-6, 0.1
@@ -466,7 +467,9 @@ def test_bad_values_are_refused_at_start_up(lm_data_bin, tmp_path, extra, untied
     save_dir = str(tmp_path / "ckpt")
     args = [lm_data_bin, "--user-dir", USER_DIR] + lm_args(tied=not untied) + [
         "--optimizer", "coupled_adam", "--max-update", "2", "--save-dir", save_dir] + extra
-    proc = run_cli("fairseq-train", args, expect_ok=False, timeout=300)
+    # fairseq-train's entry point in this process (tests/support/in_process.py; the channel runs as
+    # a real process in tests/test_bad_inputs.py)
+    proc = in_process.fairseq_train(args[:])
     # exit status 2 and one line naming the flag: argparse's, or the plugin's report of its UsageError
     errors = [line for line in proc.stderr.splitlines() if line.startswith("fairseq-train: error: ")]
     assert proc.returncode == 2 and len(errors) == 1 and expected in errors[0], proc.stderr[-3000:]
@@ -489,3 +492,5 @@ def test_demo_offers_coupled_adam_on_request(lm_data_bin, tmp_path):
     # the demo's adam settings, with coupled_adam as the optimizer
     assert args.optimizer == "coupled_adam" and args.criterion == "cross_entropy"
     assert args.adam_betas == "(0.9, 0.98)" and args.weight_decay == 0.01
+    # weight decay as Coupled Adam's authors run it: not on the embedding nor the 1-D parameters
+    assert args.coupled_adam_decay == "non-embedding-matrices"

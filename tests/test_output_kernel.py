@@ -7,6 +7,8 @@ The other test files exercise the default kernel (``auto``, compiled on this CPU
 methods' formula references; this file pins the two paths to each other and to float64.
 """
 import re
+import sys
+import types
 
 import pytest
 import torch
@@ -226,3 +228,18 @@ def test_generated_code_is_one_kernel_without_fp32_chunk_by_vocab_buffers(case):
             dims = [d.strip() for d in shape.split(",") if d.strip()]
             if dtype == "float32" and len(dims) == 2:
                 assert symbols.get(dims[1]) != V, f"an fp32 rows x V buffer ({shape}) in the bf16 code of {case}"
+
+
+@pytest.mark.parametrize("private_config", [None, types.SimpleNamespace(__name__="torch.fx.experimental._config")],
+                         ids=["module-missing", "setting-missing"])
+def test_a_torch_without_the_compiled_bodys_settings_runs_eager_and_says_why(monkeypatch, private_config):
+    # the private settings the compiled body patches are looked up when it is asked for, never at
+    # import: a torch that lacks them (another version) runs the eager body, and says why
+    monkeypatch.setitem(sys.modules, "torch.fx.experimental._config", private_config)
+    cpu = torch.device("cpu")
+    reason = output_chunk.compile_unavailable(cpu)
+    assert reason.startswith(f"torch {torch.__version__} ") and "torch.fx.experimental._config" in reason
+    assert output_chunk.resolve_kernel("auto", cpu) == "eager"
+    assert output_chunk.describe_kernel("auto", cpu) == f"eager chunk body ({reason})"
+    with pytest.raises(RuntimeError, match="output kernel 'compiled' is not available on cpu"):
+        output_chunk.resolve_kernel("compiled", cpu)

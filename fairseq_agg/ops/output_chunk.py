@@ -31,13 +31,13 @@ composition (:class:`BodyPlan`), so a process compiles one graph per method comb
 grad mode, the first time it is used.
 """
 import contextlib
+import importlib
 import logging
 import shutil
 import types
 from typing import Callable, Dict, NamedTuple, Optional
 
 import torch
-import torch.fx.experimental._config as fx_config
 
 logger = logging.getLogger(__name__)
 
@@ -221,10 +221,30 @@ def add_columns(out: torch.Tensor, columns: torch.Tensor, column_grad: torch.Ten
 KERNELS = ("auto", "eager", "compiled")
 
 
+def _private_settings():
+    """The two settings :func:`_compile_settings` patches, from torch's private config modules,
+    looked up only when the compiled path is asked for (they move between torch versions): (dynamo
+    config, fx config), or the reason this torch lacks them."""
+    try:
+        import torch._dynamo
+
+        fx_config = importlib.import_module("torch.fx.experimental._config")
+    except ImportError as e:
+        return f"torch {torch.__version__} lacks a module the compiled body's settings need ({e.name})"
+    dynamo_config = torch._dynamo.config
+    for config, name in ((dynamo_config, "accumulated_recompile_limit"), (fx_config, "use_duck_shape")):
+        if not hasattr(config, name):
+            return f"torch {torch.__version__} has no setting {config.__name__}.{name}"
+    return dynamo_config, fx_config
+
+
 def compile_unavailable(device: torch.device) -> Optional[str]:
     """Why ``torch.compile`` cannot generate the chunk body's kernel on ``device``, or None."""
     if not hasattr(torch, "compile"):
         return f"torch {torch.__version__} has no torch.compile"
+    settings = _private_settings()
+    if isinstance(settings, str):
+        return settings
     if device.type == "cuda":
         try:
             import triton  # noqa: F401
@@ -250,7 +270,9 @@ def _compiled_body(plan: BodyPlan) -> Callable:
     body = _compiled.get(plan)
     if body is None:
         name = f"chunk_body_{len(_compiled)}"
-        code = chunk_body.__code__.replace(co_name=name, co_qualname=name)
+        # co_qualname exists from Python 3.11 on
+        names = {"co_name": name, **({"co_qualname": name} if hasattr(chunk_body.__code__, "co_qualname") else {})}
+        code = chunk_body.__code__.replace(**names)
         own = types.FunctionType(code, chunk_body.__globals__, name)
         # dynamic: the rows of a chunk (and V, and a teacher's or penalty's widths) vary without recompiling
         body = _compiled[plan] = torch.compile(own, dynamic=True, fullgraph=True)
@@ -285,8 +307,9 @@ def _compile_settings():
     """Dynamo's settings for the chunk body: no duck sizing, which would tie sizes that happen to
     be equal in the first call (a chunk's rows and the batch's, a width of 2) and compile again
     when they differ; and room for a process's many plans under Dynamo's cap on all its graphs."""
+    dynamo_config, fx_config = _private_settings()  # present: resolve_kernel chose "compiled"
     stack = contextlib.ExitStack()
-    stack.enter_context(torch._dynamo.config.patch(accumulated_recompile_limit=MAX_GRAPHS))
+    stack.enter_context(dynamo_config.patch(accumulated_recompile_limit=MAX_GRAPHS))
     stack.enter_context(fx_config.patch(use_duck_shape=False))
     return stack
 
