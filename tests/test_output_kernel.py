@@ -6,6 +6,7 @@ in bf16 no fp32 chunk x V buffer.
 The other test files exercise the default kernel (``auto``, compiled on this CPU) against the
 methods' formula references; this file pins the two paths to each other and to float64.
 """
+import contextlib
 import re
 import sys
 import types
@@ -158,9 +159,25 @@ def test_gate_factor_is_the_hand_written_gate_matrix():
     assert torch.equal(in_place, gamma * z)
 
 
-def _fresh_compiles():
-    torch._dynamo.reset()
-    output_chunk._compiled.clear()
+@contextlib.contextmanager
+def _own_compiled_bodies():
+    """Compiled bodies and gate passes of this test's own (new code objects, so Dynamo compiles them afresh and
+    counts their graphs), without resetting Dynamo or dropping the bodies the rest of the process
+    compiled: those are put back afterwards, so no later test compiles them again."""
+    caches = (output_chunk._compiled, output_chunk._compiled_gates)
+    kept = [dict(cache) for cache in caches]
+    for cache in caches:
+        cache.clear()
+    try:
+        yield
+    finally:
+        for cache, entries in zip(caches, kept):
+            cache.clear()
+            cache.update(entries)
+
+
+def _graphs():
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def test_twenty_batch_sizes_compile_at_most_two_graphs_per_dtype():
@@ -171,16 +188,17 @@ def test_twenty_batch_sizes_compile_at_most_two_graphs_per_dtype():
     # 20 distinct N for chunks of 64: 65, 129 and 257 have a one-row remainder; the last is a single target
     sizes = [2, 3, 7, 16, 31, 63, 64, 65, 100, 127, 128, 129, 150, 191, 200, 255, 256, 257, 300, 1]
     for dtype in (torch.float32, torch.bfloat16):
-        _fresh_compiles()
-        torch._dynamo.utils.counters.clear()
-        for n in sizes:
-            hidden = torch.randn(n, D, generator=g).to(dtype).requires_grad_(True)
-            weight = torch.randn(V, D, generator=g).to(dtype).requires_grad_(True)
-            target = torch.randint(NSPECIAL, V, (n,), generator=g)
-            fused_linear_loss(hidden, weight, target, LossRequest(0.1, chunk_size=64, kernel="compiled")).loss.backward()
-            if n == sizes[-2]:
-                assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, (dtype, n)
-        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2, dtype
+        with _own_compiled_bodies():
+            before = _graphs()
+            for n in sizes:
+                hidden = torch.randn(n, D, generator=g).to(dtype).requires_grad_(True)
+                weight = torch.randn(V, D, generator=g).to(dtype).requires_grad_(True)
+                target = torch.randint(NSPECIAL, V, (n,), generator=g)
+                request = LossRequest(0.1, chunk_size=64, kernel="compiled")
+                fused_linear_loss(hidden, weight, target, request).loss.backward()
+                if n == sizes[-2]:
+                    assert _graphs() - before == 1, (dtype, n)
+            assert _graphs() - before == 2, dtype
 
 
 def test_chunk_bounds_never_leave_a_single_row_after_others():
@@ -192,14 +210,13 @@ def test_chunk_bounds_never_leave_a_single_row_after_others():
 
 def _generated_code(case, dtype):
     """The code Inductor generates for one forward + backward of ``case``, compiled afresh."""
-    _fresh_compiles()
     problem = Problem(dtype)
 
     def step():
         hidden, weight = problem.leaves()
         fused_linear_loss(hidden, weight, problem.target, problem.request(case, "compiled")).loss.backward()
 
-    with torch._inductor.config.patch(fx_graph_cache=False):
+    with _own_compiled_bodies(), torch._inductor.config.patch(fx_graph_cache=False):
         _, codes = run_and_get_code(step)
     return codes
 

@@ -263,17 +263,20 @@ _compiled: Dict[BodyPlan, Callable] = {}
 _fallen_back: Dict[str, str] = {}
 
 
+def _own_code(function: Callable, name: str) -> Callable:
+    """``function`` with a code object of its own named ``name``, for Dynamo to compile and cache apart."""
+    # co_qualname exists from Python 3.11 on
+    names = {"co_name": name, **({"co_qualname": name} if hasattr(function.__code__, "co_qualname") else {})}
+    return types.FunctionType(function.__code__.replace(**names), function.__globals__, name)
+
+
 def _compiled_body(plan: BodyPlan) -> Callable:
     """The compiled chunk body of ``plan``, called as ``body(plan, *args)``. Each plan gets a code
     object of its own: Dynamo keeps, and caps, the graphs per code object, so plans sharing
     chunk_body's would crowd each other out of that cap in a process that uses many of them."""
     body = _compiled.get(plan)
     if body is None:
-        name = f"chunk_body_{len(_compiled)}"
-        # co_qualname exists from Python 3.11 on
-        names = {"co_name": name, **({"co_qualname": name} if hasattr(chunk_body.__code__, "co_qualname") else {})}
-        code = chunk_body.__code__.replace(**names)
-        own = types.FunctionType(code, chunk_body.__globals__, name)
+        own = _own_code(chunk_body, f"chunk_body_{len(_compiled)}")
         # dynamic: the rows of a chunk (and V, and a teacher's or penalty's widths) vary without recompiling
         body = _compiled[plan] = torch.compile(own, dynamic=True, fullgraph=True)
     return body
@@ -334,7 +337,8 @@ def run_gate_in_place(kernel: str, gates, grad: torch.Tensor, target: torch.Tens
     if kernel == "compiled":
         compiled = _compiled_gates.get(scale_rows_)
         if compiled is None:
-            compiled = _compiled_gates[scale_rows_] = torch.compile(scale_rows_, dynamic=True, fullgraph=True)
+            own = _own_code(scale_rows_, f"scale_rows_{len(_compiled_gates)}")
+            compiled = _compiled_gates[scale_rows_] = torch.compile(own, dynamic=True, fullgraph=True)
 
         def scale(block, inputs):
             with _compile_settings():
