@@ -118,8 +118,13 @@ is_dry_run() { [[ "${dry_run:-0}" == 1 || "${DRY_RUN:-0}" == 1 ]]; }
 # printed), rdzv_endpoint (--rdzv-endpoint HOST:PORT, torchrun only; required to run on several
 # nodes, localhost:29500 on one, the placeholder first-node:29500 when both are printed) and
 # distributed_port (--distributed-port, slurm only; empty = 29500). A flag of another launcher is
-# an error naming both.
+# an error naming both. Also checks precision_choice (--precision: auto, fp16 or fp32), which
+# gpu_precision reads, before batch_settings prints anything.
 check_launch() {
+  case "$precision_choice" in
+    auto|fp16|fp32) ;;
+    *) die "--precision must be auto, fp16 or fp32, got '$precision_choice'" ;;
+  esac
   need_int --nodes "$nodes" 1
   need_int --gpus "$gpus" 1
   world=$(( nodes * gpus ))
@@ -160,14 +165,24 @@ node reaches, e.g. the first node)"
 }
 
 # gpu_precision (after check_launch and batch_settings, whose errors come first): sets gpu_count to
-# the number of GPUs torch sees here and the array precision to (--fp16) when there is one or when
-# the run is launched on GPUs elsewhere (several ranks, torchrun or slurm), else to (). A
-# single-node run on more GPUs than this node shows is only warned about: the command may be meant
-# for another machine.
+# the number of GPUs torch sees here and the array precision to the fairseq-train flags of
+# $precision_choice (--precision): fp16 (--fp16), fp32 (none) or auto, the recipe's --fp16 where
+# the run is on GPUs: a GPU here, several ranks, torchrun or slurm, or a dry run (the printed
+# command is for a GPU machine, whatever this one has), and fp32 for a run on this machine's CPU;
+# a dry run without a GPU here says on stderr that it printed --fp16. A single-node run on more
+# GPUs than this node shows is only warned about: the command may be meant for another machine.
 gpu_precision() {
   precision=()
   gpu_count="$("$py" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)"
-  if (( gpu_count > 0 || world > 1 )) || [[ "$launcher" != fairseq ]]; then precision=(--fp16); fi
+  if [[ "$precision_choice" == fp16 ]]; then precision=(--fp16)
+  elif [[ "$precision_choice" == auto ]] \
+       && { (( gpu_count > 0 || world > 1 )) || [[ "$launcher" != fairseq ]] || is_dry_run; }; then
+    precision=(--fp16)
+    if is_dry_run && (( gpu_count == 0 )); then
+      echo "[train] --precision auto: the printed command trains in fp16 (--fp16) on the GPU machine it is" \
+        "for; --precision fp32 prints it without" >&2
+    fi
+  fi
   if (( nodes == 1 && gpus > 1 && gpus > gpu_count )); then
     echo "[train] warning: --gpus $gpus, but torch sees $gpu_count GPUs on this node" >&2
   fi

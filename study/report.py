@@ -13,6 +13,8 @@ import time
 from examples.demo_common import fmt, markdown_table, mean_spread, save_study_figure, seed_band, train_curve, write_json
 from examples.lm_demo.wordsim import DATASETS
 from fairseq_agg.analysis.plots import pyplot
+from study.figure_style import draw_series, group_bars, label_points, log_ticks, marks_of, method_styles, seeds_of
+from study.figure_style import show_coinciding
 from study.metrics import compare_to_baseline, convergence, count_spikes, group_shares
 
 GROUPS = ("freq", "med", "rare")
@@ -217,66 +219,28 @@ def over_seeds(seed_counts, several):
     return several
 
 
-def label_points(ax, points):
-    """Writes each (x, y, text, colour) of ``points`` beside its point, in the colour of its
-    series and joined to it by a thin line: the label goes outwards from the middle of the points,
-    at the nearest place where it covers no label written before and no point (greedy, in display
-    space), so that labels of points close together do not lie on each other. Call once the axes
-    are final."""
-    from matplotlib.transforms import Bbox
-
-    fig = ax.figure
-    fig.tight_layout()  # the layout the figure is saved with, so that display positions hold
-    renderer = fig.canvas.get_renderer()
-    marks = [ax.transData.transform((x, y)) for x, y, _, _ in points]
-    middle = sum(marks) / len(marks) if marks else None
-    dot = 4 * fig.dpi / 72  # half a marker, in pixels
-    taken = [Bbox.from_extents(mx - dot, my - dot, mx + dot, my + dot) for mx, my in marks]
-    for (x, y, text, colour), mark in zip(points, marks):
-        out = math.atan2(*(mark - middle)[::-1]) if len(marks) > 1 else math.pi / 4
-        # 12 directions at 5 distances (points), the nearest and most outward first
-        tries = sorted(((r, abs(math.remainder(k * math.pi / 6 - out, 2 * math.pi))), k * math.pi / 6)
-                       for r in (8, 18, 30, 44, 60) for k in range(12))
-        best = None  # (clashes, offset, box): the first place with the fewest clashes
-        for (r, _), angle in tries:
-            dx, dy = r * math.cos(angle), r * math.sin(angle)
-            align = {"ha": "left" if dx > 1 else "right" if dx < -1 else "center",
-                     "va": "bottom" if dy > 1 else "top" if dy < -1 else "center"}
-            trial = ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy), fontsize="x-small", **align)
-            box = trial.get_window_extent(renderer)
-            trial.remove()
-            clashes = sum(box.overlaps(b) for b in taken)
-            if best is None or clashes < best[0]:
-                best = (clashes, (dx, dy, align), box)
-            if clashes == 0:
-                break
-        dx, dy, align = best[1]
-        label = ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy), fontsize="x-small",
-                            color=colour, arrowprops={"arrowstyle": "-", "color": colour, "lw": 0.5, "shrinkA": 0,
-                                                      "shrinkB": 3}, **align)
-        label.set_in_layout(False)  # or the layout at saving would move the points under the labels
-        taken.append(best[2])
-
-
-def figure_curves(by_name, names, path, panels):
+def figure_curves(by_name, names, path, panels, styles=None):
     """Learning curves, one panel per (getter of a run's curve, y label, log scale): per run name
-    the mean over seeds and a min-max band."""
+    the mean over seeds and a min-max band, in the run's style of the part (``styles``, by
+    :func:`study.figure_style.method_styles`; default: of ``names``)."""
     plt = pyplot()
+    styles = styles or method_styles(names)
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5))
     axes = [axes] if len(panels) == 1 else list(axes)
     for ax, (get, ylabel, log) in zip(axes, panels):
-        for i, name in enumerate(names):
+        for name in names:
             curves = [c for c in (get(r) for r in by_name[name]) if c]
             if not curves:
                 continue
             u, mean, lo, hi = seed_band(curves)
-            line, = ax.plot(u, mean, label=name, linestyle=("-", "--", ":", "-.")[i % 4], marker="o" if len(u) < 12 else None)
+            ax.plot(u, mean, label=name, markevery=max(1, len(u) // 8), markersize=4, **styles[name])
             if len(curves) > 1:
-                ax.fill_between(u, lo, hi, color=line.get_color(), alpha=0.2)
+                ax.fill_between(u, lo, hi, color=styles[name]["color"], alpha=0.2)
         ax.set_xlabel("update")
         ax.set_ylabel(ylabel)
         if log:
             ax.set_yscale("log")
+            log_ticks(ax)
         ax.grid(alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
     if handles:
@@ -285,63 +249,65 @@ def figure_curves(by_name, names, path, panels):
     return save_study_figure(fig, path)
 
 
-def figure_group_ppl(summary, names, path):
+def figure_group_ppl(summary, names, path, styles=None):
+    """Test PPL per frequency group: a run's bars in its colour of the part, the group by hatch
+    and shade (:func:`study.figure_style.group_bars`)."""
     plt = pyplot()
+    styles = styles or method_styles(names)
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(names)), 4.5))
-    width = 0.27
-    for k, g in enumerate(GROUPS):
-        s = [summary[n][f"test_ppl_{g}"] for n in names]
-        ax.bar([i + (k - 1) * width for i in range(len(names))], [x["mean"] or 0 for x in s], width,
-               yerr=[x["spread"] or 0 for x in s], capsize=3, label=g)
+    handles = group_bars(ax, names, {g: [summary[n][f"test_ppl_{g}"] for n in names] for g in GROUPS},
+                         [seeds_of(summary, n) for n in names], styles)
     ax.set_yscale("log")
+    log_ticks(ax)
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
     ax.set_ylabel("test perplexity (log scale)")
     ax.set_title("test perplexity per frequency group "
                  f"({over_seeds([len(summary[n]['seeds']) for n in names], 'mean ± half range over seeds')})")
-    ax.legend(title="group", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.legend(handles=handles, title="group", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return save_study_figure(fig, path)
 
 
-def figure_frontier(summary, names, groups, path):
-    """Test PPL against I(W) (headline and the paper's form): AGG's alpha sweep as lines, the
-    baseline, freezing and CosReg as single points."""
+def figure_frontier(summary, names, groups, path, styles=None):
+    """Test PPL against I(W) (headline and the paper's form): every run a point in its style of the
+    part, AGG's alpha sweeps joined by grey lines and labelled with their α. A point on another is
+    drawn open and larger around it, as the legend's title says; no label covers a point."""
     plt = pyplot()
+    styles = styles or method_styles(names)
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
-    labels = {0: [], 1: []}  # per panel: (x, y, text, colour) of the sweep's points, written once the axes are final
+    drawn = {0: [], 1: []}  # per panel: (name, Line2D) of each point, in drawing order
     for k, (ax, key, label) in enumerate(((axes[0], "isotropy", "I(W), sign-symmetric (headline)"),
                                           (axes[1], "isotropy_raw",
                                            "I(W), AGG paper's form (eigenvector signs by a fixed rule)"))):
-        for g1, marker in (("code", "o"), ("normalized", "s")):
-            sweep = sorted((groups[n]["alpha"], n) for n in names if groups[n].get("g1") == g1)
-            if not sweep:
-                continue
-            xs = [summary[n][key] for _, n in sweep]
-            ys = [summary[n]["test_ppl"] for _, n in sweep]
-            bars = ax.errorbar([x["mean"] for x in xs], [y["mean"] for y in ys], xerr=[x["spread"] or 0 for x in xs],
-                               yerr=[y["spread"] or 0 for y in ys], marker=marker, capsize=3, label=f"AGG, g1 {g1}")
-            colour = bars.lines[0].get_color()
-            labels[k] += [(x["mean"], y["mean"], f"α={alpha:g}", colour) for (alpha, _), x, y in zip(sweep, xs, ys)
-                          if x["mean"] is not None and y["mean"] is not None]
-        for n, marker in (("baseline", "*"), ("freeze", "D"), ("cosreg", "^")):
-            if n in names:
-                x, y = summary[n][key], summary[n]["test_ppl"]
-                ax.errorbar([x["mean"]], [y["mean"]], xerr=[x["spread"] or 0], yerr=[y["spread"] or 0],
-                            marker=marker, markersize=10, linestyle="none", capsize=3, label=n)
+        for g1, dashes in (("code", "-"), ("normalized", "--")):
+            sweep = [n for _, n in sorted((groups[n]["alpha"], n) for n in names if groups[n].get("g1") == g1)]
+            if sweep:
+                ax.plot([summary[n][key]["mean"] for n in sweep], [summary[n]["test_ppl"]["mean"] for n in sweep],
+                        color="0.6", linestyle=dashes, linewidth=1, zorder=1, label=f"AGG's α sweep, g1 {g1}")
+        for n in names:
+            x, y = summary[n][key], summary[n]["test_ppl"]
+            if x["mean"] is not None and y["mean"] is not None:
+                drawn[k].append((n, draw_series(ax, [x["mean"]], [y["mean"]], [seeds_of(summary, n)],
+                                                xerr=[x["spread"] or 0], yerr=[y["spread"] or 0], label=n,
+                                                markersize=7, zorder=2, **dict(styles[n], linestyle="none"))))
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("test perplexity")
-    axes[1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    overlaid = [show_coinciding(ax, [line for _, line in drawn[k]]) for k, ax in enumerate(axes)]
+    axes[1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small",
+                   title="open, larger marker:\na point on another" if any(overlaid) else None, title_fontsize="small")
     fig.suptitle("perplexity vs isotropy of the output embedding "
                  f"({over_seeds([len(summary[n]['seeds']) for n in names], 'mean ± half range over seeds')})")
     for k, ax in enumerate(axes):
-        label_points(ax, labels[k])
+        label_points(ax, [(*line.get_xydata()[0], f"α={groups[n]['alpha']:g}", styles[n]["color"])
+                          for n, line in drawn[k] if groups[n].get("g1")], marks_of([line for _, line in drawn[k]]))
     return save_study_figure(fig, path)
 
 
-def figure_depth(summary, names, groups, path, spikes=None):
+def figure_depth(summary, names, groups, path, spikes=None, styles=None):
     """µTEV, σTEV, test PPL and the largest gradient norm against the depth, one line per variant;
     a panel of gradient-norm spike counts only where some run had one (``spikes``: the settings,
-    named in the title)."""
+    named in the title). A variant's line is in its style of the part (``styles``; default: of
+    the variants)."""
     plt = pyplot()
     panels = [("tev_mu", "µTEV"), ("tev_sigma", "σTEV"), ("test_ppl", "test perplexity"),
               ("max_gnorm", "largest gradient norm")]
@@ -349,15 +315,14 @@ def figure_depth(summary, names, groups, path, spikes=None):
     if counted:
         panels.append(("gnorm_spikes", "gradient-norm spikes (count)"))
     fig, axes = plt.subplots(1, len(panels), figsize=(5.0 * len(panels), 4.2))
-    variants = []
-    for n in names:
-        if groups[n]["method"] not in variants:
-            variants.append(groups[n]["method"])
+    variants = list(dict.fromkeys(groups[n]["method"] for n in names))
+    styles = styles or method_styles(variants)
     for ax, (key, ylabel) in zip(axes, panels):
-        for i, v in enumerate(variants):
-            pts = sorted((groups[n]["depth"], summary[n][key]) for n in names if groups[n]["method"] == v)
-            ax.errorbar([d for d, _ in pts], [s["mean"] for _, s in pts], yerr=[s["spread"] or 0 for _, s in pts],
-                        marker="osD^"[i % 4], linestyle=("-", "--", ":")[i % 3], capsize=3, label=v)
+        for v in variants:
+            pts = sorted((groups[n]["depth"], n) for n in names if groups[n]["method"] == v)
+            draw_series(ax, [d for d, _ in pts], [summary[n][key]["mean"] for _, n in pts],
+                        [seeds_of(summary, n) for _, n in pts], yerr=[summary[n][key]["spread"] or 0 for _, n in pts],
+                        label=v, **styles[v])
         ax.set_xticks(sorted({groups[n]["depth"] for n in names}))
         ax.set_xlabel("decoder layers")
         ax.set_ylabel(ylabel)
@@ -394,6 +359,13 @@ MT_NOTES = ("The MT demo: sacreBLEU / chrF on the held-out test pairs (and BLEU 
             "generated (hyp) and reference (ref) target pieces in the rare frequency group (non-special pieces).")
 
 
+def part_styles(part, names, groups):
+    """The style of every planned run of ``part`` (:func:`study.figure_style.method_styles`): a run
+    looks the same in every figure, however many runs have finished; the depth part's runs share
+    their method's colour and marker."""
+    return method_styles(names, (lambda n: groups[n]["method"]) if part.by_depth else None)
+
+
 def make_report(part, a, budget, specs, results, out_dir, spikes, invocations, projection=None, data_report=None):
     """WORK/PART/report/: table.md, results.json and the figures of ``part`` (a
     :class:`study.parts.Part`); returns out_dir. ``invocations``: the records of the invocations
@@ -408,6 +380,7 @@ def make_report(part, a, budget, specs, results, out_dir, spikes, invocations, p
         if s.name not in groups:
             names.append(s.name)
             groups[s.name] = s.group
+    styles = part_styles(part, names, groups)
     by_name = {n: sorted((r for r in results if r["name"] == n), key=lambda r: r["seed"]) for n in names}
     names = [n for n in names if by_name[n]]
     cols = part.columns(metric, results, spikes)
@@ -471,18 +444,19 @@ def make_report(part, a, budget, specs, results, out_dir, spikes, invocations, p
         valid = ((lambda r: r["curves"].get("valid_ppl") or [], "valid PPL (plain cross-entropy)", True)
                  if part.corpus.language_model else
                  (valid_cross_entropy, "valid cross-entropy\n(nll_loss: no label smoothing; bits/token)", False))
-        figures["curves"] = figure_curves(by_name, names, os.path.join(out_dir, "learning_curves.png"), [
-            (lambda r: train_cross_entropy(r, runs_dir), "train cross-entropy (nll_loss, bits/token)", False), valid])
+        train = (lambda r: train_cross_entropy(r, runs_dir), "train cross-entropy (nll_loss, bits/token)", False)
+        figures["curves"] = figure_curves(by_name, names, os.path.join(out_dir, "learning_curves.png"), [train, valid],
+                                          styles)
     if part.group_ppl:
-        figures["group_ppl"] = figure_group_ppl(summary, names, os.path.join(out_dir, "group_ppl.png"))
+        figures["group_ppl"] = figure_group_ppl(summary, names, os.path.join(out_dir, "group_ppl.png"), styles)
     if part.projections:
         ckpts = [os.path.join(os.path.dirname(out_dir), by_name[n][0]["run_id"], "checkpoint_last.pt") for n in names]
         if projection is not None and all(os.path.isfile(c) for c in ckpts):
             figures["projections"] = projection(names, ckpts, os.path.join(out_dir, "projections.png"))
     if part.frontier:
-        figures["frontier"] = figure_frontier(summary, names, groups, os.path.join(out_dir, "frontier.png"))
+        figures["frontier"] = figure_frontier(summary, names, groups, os.path.join(out_dir, "frontier.png"), styles)
     if part.by_depth:
-        figures["depth"] = figure_depth(summary, names, groups, os.path.join(out_dir, "depth.png"), spikes)
+        figures["depth"] = figure_depth(summary, names, groups, os.path.join(out_dir, "depth.png"), spikes, styles)
     lines += ["", "Figures: " + ", ".join(os.path.basename(f) for f in figures.values())]
     with open(os.path.join(out_dir, "table.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")

@@ -7,10 +7,10 @@ adds for it, from the finished runs' result.json files and the data report alone
   the spread? | verdict, the form of docs/results.md; the verdict is the mechanical one of
   :func:`verdict`, to be read with the numbers), the convergence of every run and seed (the
   calibration criterion), and the part's wall time at this budget;
-* figures, every line and bar told apart by an Okabe-Ito colour (distinguishable with the common
-  colour-vision deficiencies) and, for lines, by line style and marker too: learning curves with
-  one panel per group of methods, test PPL per frequency group under both groupings, and the size
-  of AGG's rare set over training;
+* figures, each run in one style (an Okabe-Ito colour, a marker and a line style) in every panel
+  and figure (:func:`tail_styles`, study/figure_style.py): learning curves with one panel per
+  group of methods, test PPL per frequency group under both groupings, the size of AGG's rare set
+  over training, and isotropy against the rare set;
 * with ``--compare-budget`` (:func:`write_budget_comparison`), the comparison with the same runs at
   another budget: each metric's difference to the baseline at both budgets, whether each claim's
   verdict survives the other budget, and the baseline's convergence at each.
@@ -21,15 +21,12 @@ from typing import Dict, List, Optional
 from examples.demo_common import markdown_table, save_study_figure, seed_band, write_json
 from examples.lm_demo.wordsim import DATASETS
 from fairseq_agg.analysis.plots import pyplot
+from study.figure_style import OKABE_ITO, group_bars, log_ticks, method_styles  # OKABE_ITO: study/trajectory.py
 from study.metrics import compare_to_baseline, convergence, resolvable_difference, spearman_interval
 from study.report import metric, over_seeds, summarise, train_cross_entropy
 from study.tail import GROUPINGS, PAPER_TYPES
 
 GROUPS = ("freq", "med", "rare")
-# Okabe & Ito (2008), "Color Universal Design": black for the baseline, the pale yellow last
-OKABE_ITO = ("#000000", "#E69F00", "#56B4E9", "#009E73", "#D55E00", "#0072B2", "#CC79A7", "#F0E442")
-LINE_STYLES = ("-", "--", "-.", ":")
-MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 # the learning-curve panels: AGG's family, and the other remedies; the baseline is in both
 PANELS = (("AGG, its threshold, freezing", ("baseline", "agg", "agg-a0.09", "agg-a0.01", "freeze", "agg+coupled-adam")),
           ("AGG's operating point: the per-update rule, Table 1's freezing",
@@ -272,15 +269,10 @@ def timing_section(results, planned, jobs) -> List[str]:
 # ---------------------------------------------------------------------------- figures
 
 
-def run_style(names):
-    """{name: {color, linestyle, marker}} of the lines of one panel: the baseline black and solid,
-    the others in the order given, no two of the first eight with the same colour."""
-    others = [n for n in names if n != "baseline"]
-    style = {"baseline": {"color": OKABE_ITO[0], "linestyle": "-", "marker": "o"}}
-    for i, n in enumerate(others):
-        style[n] = {"color": OKABE_ITO[1 + i % (len(OKABE_ITO) - 1)],
-                    "linestyle": LINE_STYLES[(i + 1) % len(LINE_STYLES)], "marker": MARKERS[(i + 1) % len(MARKERS)]}
-    return style
+def tail_styles(names):
+    """{name: {color, linestyle, marker}} of the runs ``names``, fixed by the order of the runs in
+    :data:`PANELS` (then any other run), so that a run looks the same in every panel and figure."""
+    return method_styles(list(dict.fromkeys([n for _, members in PANELS for n in members] + list(names))))
 
 
 def curve_panels(names) -> List[tuple]:
@@ -293,7 +285,7 @@ def curve_panels(names) -> List[tuple]:
     return compared or [(t, members) for t, members in panels[:1] if members]
 
 
-def figure_curves(by_name, names, path, runs_dir):
+def figure_curves(by_name, names, path, runs_dir, styles=None):
     """Train cross-entropy and valid PPL (rows) for each group of methods (columns): the mean over
     seeds with a min-max band. The train row is the plain cross-entropy of every run
     (:func:`study.report.train_cross_entropy`, read from the runs in ``runs_dir`` where result.json
@@ -304,8 +296,8 @@ def figure_curves(by_name, names, path, runs_dir):
             (lambda r: r["curves"].get("valid_ppl") or [], "valid PPL (log scale)", True))
     fig, axes = plt.subplots(len(rows), len(panels), figsize=(6.5 * len(panels), 8.0), squeeze=False,
                              sharex=True, sharey="row")
+    style = styles or tail_styles(names)
     for col, (title, members) in enumerate(panels):
-        style = run_style(members)
         for row, (get, ylabel, log) in enumerate(rows):
             ax = axes[row][col]
             for n in members:
@@ -318,6 +310,7 @@ def figure_curves(by_name, names, path, runs_dir):
                     ax.fill_between(u, lo, hi, color=style[n]["color"], alpha=0.15, linewidth=0)
             if log:
                 ax.set_yscale("log")
+                log_ticks(ax)
             ax.grid(alpha=0.3)
             ax.set_ylabel(ylabel)
             if row == 0:
@@ -343,41 +336,37 @@ def grouping_title(name, sizes=None):
     return f"the demo's grouping\n{here}"
 
 
-def figure_group_ppl(summary, names, path, sizes=None):
-    """Test PPL per frequency group, the paper's grouping and the demo's side by side, with error
-    bars of half the seed range; ``sizes``: the data report's {grouping: {group: types}}, for the
-    titles."""
+def figure_group_ppl(summary, names, path, sizes=None, styles=None):
+    """Test PPL per frequency group, the paper's grouping and the demo's side by side, a run's bars
+    in its colour, the group by hatch and shade, with error bars of half the seed range (two seeds
+    or more); ``sizes``: the data report's {grouping: {group: types}}, for the titles."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(max(12.0, 1.4 * len(names)), 4.8), sharey=True)
-    width = 0.27
-    colours = dict(zip(GROUPS, (OKABE_ITO[5], OKABE_ITO[1], OKABE_ITO[4])))
-    hatches = dict(zip(GROUPS, ("", "//", "..")))
-    sizes = sizes or {}
+    styles, sizes = styles or tail_styles(names), sizes or {}
     for ax, (prefix, title) in zip(axes, (("test_ppl_", grouping_title("paper", sizes.get("paper"))),
                                           ("test_ppl_demo_", grouping_title("demo", sizes.get("demo"))))):
-        for k, g in enumerate(GROUPS):
-            s = [summary[n].get(f"{prefix}{g}") or {"mean": None, "spread": None} for n in names]
-            ax.bar([i + (k - 1) * width for i in range(len(names))], [x["mean"] or 0 for x in s], width,
-                   yerr=[x["spread"] or 0 for x in s], capsize=3, label=g, color=colours[g], hatch=hatches[g],
-                   edgecolor="black", linewidth=0.4)
+        handles = group_bars(ax, names, {g: [summary[n].get(f"{prefix}{g}") or {"mean": None, "spread": None}
+                                             for n in names] for g in GROUPS},
+                             [len(summary[n].get("seeds") or []) for n in names], styles)
         ax.set_yscale("log")
+        log_ticks(ax)
         ax.set_xticks(range(len(names)), names, rotation=35, ha="right")
         ax.set_title(title, fontsize="small")
         ax.grid(alpha=0.3, axis="y")
     axes[0].set_ylabel("test perplexity (log scale)")
-    axes[1].legend(title="group", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    axes[1].legend(handles=handles, title="group", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.suptitle("test perplexity per frequency group "
                  f"({over_seeds([len(summary[n]['seeds']) for n in names], 'mean ± half range over seeds')})")
     return save_study_figure(fig, path)
 
 
-def figure_rare_set(by_name, names, path) -> Optional[str]:
+def figure_rare_set(by_name, names, path, styles=None) -> Optional[str]:
     """The size of AGG's rare set over training (the logged agg_rare; agg_frozen when freezing)."""
     shown = [n for n in names if any(r["metrics"].get("agg_rare_curve") for r in by_name[n])]
     if not shown:
         return None
     plt = pyplot()
-    style = run_style(shown)
+    style = styles or tail_styles(names)
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     # Runs at one α count the same targets in the same order (agg, freeze, agg+coupled-adam), so
     # their curves coincide: each line is drawn thinner than the one before, so all stay visible.
@@ -389,6 +378,7 @@ def figure_rare_set(by_name, names, path) -> Optional[str]:
         if len(by_name[n]) > 1:
             ax.fill_between(u, lo, hi, color=style[n]["color"], alpha=0.15, linewidth=0)
     ax.set_yscale("log")
+    log_ticks(ax)
     return _finish_single_axes(fig, ax, path, "update", "tokens in AGG's rare set",
                                "AGG's rare set over training "
                                f"({over_seeds([len(by_name[n]) for n in shown], 'mean over seeds; band: min-max')})")
@@ -431,7 +421,7 @@ def word_similarity_section(names, by_name) -> List[str]:
             f"by more than: {resolved}. Smaller differences cannot be resolved by these pair sets.", ""]
 
 
-def figure_isotropy_vs_rare(by_name, names, path, static_rare: Optional[int] = None) -> Optional[str]:
+def figure_isotropy_vs_rare(by_name, names, path, static_rare: Optional[int] = None, styles=None) -> Optional[str]:
     """I(W) against the size of AGG's rare set at the end, one point per run and seed, for every
     AGG or freezing run of either threshold rule and the baseline (rare set 0); freezing of the
     static group at that group's size ``static_rare`` (left out without it)."""
@@ -450,19 +440,16 @@ def figure_isotropy_vs_rare(by_name, names, path, static_rare: Optional[int] = N
         return None
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    # colour = the rule, marker = alpha (x1/3, x1, x3), hollow = freezing, a plus = with Coupled Adam
-    colours = {"baseline": OKABE_ITO[0], "relative": OKABE_ITO[1], "per-update": OKABE_ITO[5], "group": OKABE_ITO[3]}
+    style = styles or tail_styles(names)
+    # each run's colour and marker of the part; hollow = freezing, whose points may lie on its AGG run's
     for (rule, n), pts in sorted(points.items(), key=lambda kv: kv[0][1]):
         window = next((r["metrics"].get("agg_window") for r in by_name[n] if r["metrics"].get("agg_window")), None)
-        alpha = None if window is None else window.get("alpha")
-        marker = {"baseline": "*", "group": "D"}.get(rule) or {0.01: "v", 0.09: "^"}.get(alpha, "o")
-        if "coupled-adam" in n:
-            marker = "P"
         frozen = bool(window and window.get("frozen"))
         ax.scatter([p[0] + 1 for p in pts], [p[1] for p in pts], label=n if rule == n else f"{n} ({rule})",
-                   marker=marker, facecolors="none" if frozen else colours.get(rule, OKABE_ITO[6]),
-                   edgecolors=colours.get(rule, OKABE_ITO[6]), linewidths=1.5 if frozen else 0.5, s=60)
+                   marker=style[n]["marker"], facecolors="none" if frozen else style[n]["color"],
+                   edgecolors=style[n]["color"], linewidths=1.5 if frozen else 0.5, s=60)
     ax.set_xscale("log")
+    log_ticks(ax, "x")
     return _finish_single_axes(fig, ax, path, "rare set at the end (types, + 1; log scale): AGG's, or the frozen "
                                "static group", "I(W) (sign-symmetric)",
                                "isotropy against the rare set, both threshold rules (one point per run and seed)")
@@ -473,15 +460,16 @@ def extend(summary, names, by_name, results, planned, jobs, data_report, out_dir
     found = claims(summary)
     lines = claims_table(found) + word_similarity_section(names, by_name) + convergence_section(names, by_name)
     lines += timing_section(results, planned, jobs) + data_section(data_report)
+    styles = tail_styles(names)  # one per run for every figure below
     figures = {"curves": figure_curves(by_name, names, os.path.join(out_dir, "learning_curves.png"),
-                                       os.path.dirname(out_dir)),
+                                       os.path.dirname(out_dir), styles),
                "group_ppl": figure_group_ppl(summary, names, os.path.join(out_dir, "group_ppl.png"),
-                                             (data_report or {}).get("groups"))}
-    rare = figure_rare_set(by_name, names, os.path.join(out_dir, "agg_rare.png"))
+                                             (data_report or {}).get("groups"), styles)}
+    rare = figure_rare_set(by_name, names, os.path.join(out_dir, "agg_rare.png"), styles)
     if rare:
         figures["agg_rare"] = rare
     static = ((data_report or {}).get("groups") or {}).get("demo", {}).get("rare")  # the 30/50/20 rare group
-    iso = figure_isotropy_vs_rare(by_name, names, os.path.join(out_dir, "isotropy_vs_rare.png"), static)
+    iso = figure_isotropy_vs_rare(by_name, names, os.path.join(out_dir, "isotropy_vs_rare.png"), static, styles)
     if iso:
         figures["isotropy_vs_rare"] = iso
     extra: Dict[str, object] = {"claims": found, "data": data_report,

@@ -93,10 +93,10 @@ def plot(trajectories: List[dict], endpoints: Dict[str, list], path):
     from examples.demo_common import save_study_figure
     from fairseq_agg.analysis.plots import pyplot
     from fairseq_agg.files import atomic_output
-    from study.tail_report import OKABE_ITO
+    from study.tail_report import tail_styles
 
     names = list(dict.fromkeys([t["name"] for t in trajectories] + list(endpoints)))
-    colour = {n: OKABE_ITO[i % len(OKABE_ITO)] for i, n in enumerate(names)}
+    colour = {n: style["color"] for n, style in tail_styles(names).items()}  # as in the part's other figures
     fig, axes = pyplot().subplots(1, 2, figsize=(10, 3.8))
     for t in trajectories:
         x = [p["updates"] for p in t["points"]]

@@ -3,6 +3,18 @@ import os
 import pytest
 
 import fairseq_runs
+import tiers
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "e2e: starts a process, or uses a fixture that does (found by "
+                                       "tests/support/tiers.py); the fast tier is -m 'not e2e'")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if tiers.is_e2e(item):
+            item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture(scope="session")

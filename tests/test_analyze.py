@@ -338,3 +338,37 @@ def test_context_window_errors(lm_ckpts, lm_data_bin, mt_ckpt, mt_data_bin, tmp_
     err = _main_error(capsys, [mt_ckpt, "--data", mt_data_bin, "--tokens-per-sample", 64, "--out", out])
     assert "--tokens-per-sample applies to language-model checkpoints" in err
     assert not os.path.exists(out)  # nothing written on error
+
+
+# ----------------------------------------------------------------------------------------------
+# every token of a split is scored (issue #49): fairseq drops a last batch that is not a multiple of
+# --required-batch-size-multiple
+
+
+@pytest.mark.parametrize("context_window", [0, 8])
+def test_every_token_of_the_split_is_scored(lm_data_bin, context_window):
+    """The scoring of fairseq-agg-analyze and the study (perplexity.group_perplexity) on the tiny
+    test split, in 30-token blocks: its sample count is not a multiple of 8, so fairseq's default
+    batch-size multiple would drop the last batch; the scored tokens are the split's, in 2-block
+    batches (the recipe's eval-lm batch) and in the default token batches."""
+    from fairseq.data import data_utils
+
+    from fairseq_agg.analysis.perplexity import group_perplexity
+
+    _, task, model, _ = fr.build_parts(lm_data_bin, fr.TINY_LM_ARGS, ["--tokens-per-sample", "30"], splits=("test",))
+    d = task.target_dictionary
+    split = data_utils.load_indexed_dataset(os.path.join(lm_data_bin, "test"), d)  # kept: its sizes are mapped
+    split_tokens = int(split.sizes.sum())
+    blocks = task.dataset("test")  # 30-token blocks: the scored blocks are 30 - context_window long
+    samples = math.ceil(split_tokens / (30 - context_window))
+    if context_window == 0:
+        assert len(blocks) == samples
+        kept = task.get_batch_iterator(dataset=blocks, max_sentences=2, required_batch_size_multiple=8,
+                                       num_workers=0).next_epoch_itr(shuffle=False)
+        assert sum(len(batch["id"]) for batch in kept) < samples  # what fairseq's default would score
+    assert samples % 8 != 0, samples
+    groups = G.frequency_groups(d)
+    for batching in ({"batch_size": 2}, {}):
+        scored = group_perplexity(model, task, "test", groups, device="cpu", context_window=context_window,
+                                  **batching)
+        assert scored["total"]["tokens"] == split_tokens, batching

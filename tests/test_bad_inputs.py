@@ -143,6 +143,11 @@ TRAIN_CASES = [
     ("mlra-targets-unknown", MLRA + ["--attention-rank", "8", "--mlra-targets", "q,x"], "--mlra-targets"),
     ("mlra-mode-unknown", MLRA + ["--attention-rank", "8", "--mlra-mode", "diagonal"], "--mlra-mode"),
     ("mlra-init-unknown", MLRA + ["--attention-rank", "8", "--mlra-init", "ones"], "--mlra-init"),
+    # --- statistics on, not split by group: the group definition would be ignored (issue #49)
+    ("stats-preset-without-groups", STATS + ["--embed-stats-interval", "2", "--embed-group-preset",
+                                             "wikitext103-official"], ("--embed-group-preset", "--embed-stats-groups")),
+    ("stats-fractions-without-groups", AGG + ["--embed-isotropy-interval", "2", "--embed-group-fractions",
+                                              "0.2,0.5,0.3"], ("--embed-group-fractions", "--embed-stats-groups")),
 ]
 
 # a foreign kernel that is not installed here is refused with the package to install

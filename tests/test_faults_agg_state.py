@@ -58,13 +58,46 @@ def test_every_state_a_window_writes_passes_the_checks(history, size):
         check_window_state(driven(resized, [window.update_index + 1]).state_dict(), VOCAB)
 
 
-def test_an_update_number_that_goes_back_leaves_counts_outside_the_newest_span():
-    """Why the checks do not ask which rows hold counts: fairseq restarts the update number at 0 on
-    --finetune-from-model, and the window keeps the rows it had."""
-    window = driven(RareTokenWindow(VOCAB, 28), list(range(1, 17)) + [1])
-    newest = {(window.update_index - j) % 28 for j in range(1, window.recorded)}
-    assert any(window.ring[row].any() for row in set(range(28)) - newest)
-    check_window_state(window.state_dict(), VOCAB)
+def test_an_update_number_that_goes_back_keeps_the_newest_updates_oldest_first():
+    """fairseq restarts the update number at 0 on --finetune-from-model: the window goes on from the
+    updates it holds, renumbered, so that the oldest of them still leaves first and the rows stay
+    those of the updates before the open one (which the checks ask, issue #49)."""
+    hist = {k: torch.full((VOCAB,), 2 ** k) for k in range(1, 9)}  # one bit each: the sum says which are held
+    window = RareTokenWindow(VOCAB, 4)
+    for t in range(1, 7):  # updates 1 to 6: the window holds 3, 4, 5 and 6
+        window.start_update(t)
+        window.add(hist[t])
+    window.start_update(1)  # the update number starts again: update 3 leaves
+    window.add(hist[7])
+    assert window.counts.tolist() == [2 ** 4 + 2 ** 5 + 2 ** 6 + 2 ** 7] * VOCAB
+    window.start_update(2)  # then update 4, the oldest
+    window.add(hist[8])
+    assert window.counts.tolist() == [2 ** 5 + 2 ** 6 + 2 ** 7 + 2 ** 8] * VOCAB  # 2^8 in the overflow table
+    assert check_window_state(window.state_dict(), VOCAB) == (4, 2, 4)
+
+
+def test_an_update_index_that_disagrees_with_the_filled_rows_is_refused():
+    """Update 4 of a window of 8 (rows 1 to 3 finished, row 4 open) with its index set to 40: the
+    rows of updates 37 to 39 would hold the finished counts, not rows 1 to 3 (issue #49)."""
+    state = driven(RareTokenWindow(VOCAB, 8), [1, 2, 3, 4]).state_dict()
+    assert check_window_state(state, VOCAB) == (8, 4, 4)
+    with pytest.raises(UsageError, match=r"^row 1 of ring holds counts, but meta says update 40 with 4 updates "
+                                         r"recorded: the rows of updates 37 to 39 \(mod 8\) may hold finished counts$"):
+        check_window_state(edited(state, meta=set_at(1, 40)), VOCAB)
+
+
+def test_the_update_index_is_the_checkpoints_update_count():
+    """A full window (3 of 3) accepts any index whose open row is empty; the checkpoint's update
+    count (fairseq's optimizer_history) tells update 4 from update 40 (issue #49)."""
+    state = driven(RareTokenWindow(VOCAB, 3), [1, 2, 3, 4]).state_dict()
+    assert check_window_state(state, VOCAB, saved_after=4) == (3, 4, 3)
+    assert check_window_state(state, VOCAB, saved_after=3) == (3, 4, 3)  # update 4 skipped (fp16 overflow)
+    damaged = edited(state, meta=set_at(1, 40))
+    assert check_window_state(damaged, VOCAB) == (3, 40, 3)
+    for saved_after in (4, 41):
+        with pytest.raises(UsageError, match=rf"^meta says update 40, but the checkpoint was saved after {saved_after} "
+                                             rf"updates \(expected update {saved_after}, or {saved_after + 1} after"):
+            check_window_state(damaged, VOCAB, saved_after=saved_after)
 
 
 def saved_window():
@@ -221,6 +254,10 @@ def delete(*keys):
 
 DAMAGES = {
     "negative counts": (lambda c: c["window.counts"].__setitem__(5, -1), "window.counts has negative entries"),
+    # saved after update 4: update 40's open row is the same row, but 40 is not the checkpoint's update
+    "update index not the checkpoint's": (lambda c: c["window.meta"].__setitem__(1, 40),
+                                          "window.meta says update 40, but the checkpoint was saved after 4 updates "
+                                          "(expected update 4, or 5 after a skipped update)"),
     "update index not the ring's": (lambda c: c["window.meta"].__setitem__(1, 3),
                                     "row 0 of window.ring, the row of the update being counted (update 3 in "
                                     "window.meta), is not empty"),
@@ -259,6 +296,16 @@ def test_a_valid_checkpoint_still_resumes(trained, lm_data_bin, tmp_path):
     records = [r for r in read_json_log(proc.stdout + proc.stderr) if "num_updates" in r and "agg_rare" in r]
     assert [int(r["num_updates"]) for r in records] == [5, 6]
     assert load(os.path.join(save_dir, "checkpoint_last.pt"))["criterion"]["window.meta"].tolist() == [3, 6, 3]
+
+
+def test_a_fine_tuned_agg_checkpoint_resumes(trained, lm_data_bin, tmp_path):
+    """--finetune-from-model of an AGG checkpoint: fairseq's update number starts again at 0 and the
+    window goes on from the updates it holds; the fine-tuned run's own checkpoint then resumes."""
+    save_dir = str(tmp_path / "ckpt")
+    run_cli("fairseq-train", train_args(lm_data_bin, save_dir, 2, ["--finetune-from-model", trained]))
+    assert load(os.path.join(save_dir, "checkpoint_last.pt"))["criterion"]["window.meta"].tolist() == [3, 2, 3]
+    run_cli("fairseq-train", train_args(lm_data_bin, save_dir, 3))
+    assert load(os.path.join(save_dir, "checkpoint_last.pt"))["criterion"]["window.meta"].tolist() == [3, 3, 3]
 
 
 def test_the_restart_flag_starts_missing_counts_empty(trained, lm_data_bin, tmp_path):

@@ -142,3 +142,39 @@ def test_a_checkpoint_save_that_runs_out_of_room_is_one_line_and_leaves_nothing(
     assert resumed["optimizer_history"][-1]["num_updates"] == 24
     for key, value in straight["model"].items():
         assert torch.equal(value, resumed["model"][key]), key
+
+
+class RunsCodeWhenUnpickled:
+    """What a planted checkpoint*.pt may hold: unpickling it calls os.mkdir(marker)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def test_ranking_the_checkpoints_for_the_advice_never_runs_their_code(tmp_path):
+    """The advice of a truncated checkpoint ranks every checkpoint*.pt beside it by its updates
+    (checkpoint_files.checkpoint_updates) with torch's safe loader, as fairseq loads checkpoints: a
+    planted file whose unpickling would run code ranks last and runs nothing (issue #49)."""
+    import argparse
+
+    from fairseq_agg.fairseq_facts.checkpoint_files import checkpoint_updates, damaged_checkpoint_message
+
+    save_dir, marker = tmp_path / "ckpt", tmp_path / "code-ran"
+    save_dir.mkdir()
+    planted = save_dir / "checkpoint_9_999.pt"  # claims the most updates
+    torch.save({"optimizer_history": [{"num_updates": 999}], "extra": RunsCodeWhenUnpickled(str(marker))}, planted)
+    intact = save_dir / "checkpoint_1_8.pt"  # a checkpoint's layout, fairseq's legacy Namespace included
+    torch.save({"args": argparse.Namespace(arch="transformer_lm"), "model": {"w": torch.zeros(2)},
+                "optimizer_history": [{"num_updates": 8}]}, intact)
+    last = save_dir / "checkpoint_last.pt"
+    last.write_bytes(b"truncated")
+
+    assert checkpoint_updates(str(planted)) == -1 and checkpoint_updates(str(intact)) == 8
+    assert damaged_checkpoint_message(str(last)).endswith(f"resume from the newest intact one with --restore-file "
+                                                          f"{intact}")
+    assert not marker.exists()
+    torch.load(planted, weights_only=False)  # the unsafe loader would have run it
+    assert marker.is_dir()

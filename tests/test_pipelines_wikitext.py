@@ -381,10 +381,14 @@ def test_train_and_evaluate(gpt2_prep, tmp_path, recipe):
     ckpt = save / "checkpoint_best.pt"
     assert ckpt.is_file()
     out = tmp_path / "eval"
-    # --checkpoint takes train.sh's save directory: its checkpoint_best.pt
-    proc = run_script(recipe("evaluate.sh"), ["--checkpoint", save, "--prep", prep, "--out", out,
-                                              "--tokens-per-sample", "64", "--context-window", "0",
-                                              "--", "--cpu"])
+    # --checkpoint takes train.sh's save directory: its checkpoint_best.pt; DATA_BIN gives the data,
+    # --prep (here without a data-bin) prepare.sh's tokenizer.txt
+    meta = tmp_path / "prep_without_data"
+    meta.mkdir()
+    shutil.copy(prep / "tokenizer.txt", meta / "tokenizer.txt")
+    proc = run_script(recipe("evaluate.sh"), ["--checkpoint", save, "--prep", meta, "--out", out,
+                                              "--tokens-per-sample", "60", "--context-window", "0",
+                                              "--", "--cpu"], env=_env(DATA_BIN=str(prep / "data-bin")))
     lines = proc.stdout.splitlines()
     assert f"[evaluate] --checkpoint {save}: using {ckpt}" in lines
     types = len(open(prep / "data-bin" / "dict.txt").read().splitlines()) + 4
@@ -397,12 +401,22 @@ def test_train_and_evaluate(gpt2_prep, tmp_path, recipe):
     assert set(rep["ppl"]["groups"]) == {"freq", "med", "rare"}
     # two independent scorers of the same blocks without context: fairseq-eval-lm and the analysis
     assert rep["ppl"]["total"]["ppl"] == pytest.approx(float(m.group(2)), rel=0.01)
+    # both score every token of the test split, whose 60-token blocks are not a multiple of 8 (fairseq
+    # drops a last batch that is not a multiple of --required-batch-size-multiple, 8 by default)
+    from fairseq.data import Dictionary, data_utils
+
+    split = data_utils.load_indexed_dataset(str(prep / "data-bin" / "test"),
+                                            Dictionary.load(str(prep / "data-bin" / "dict.txt")))
+    split_tokens = int(split.sizes.sum())
+    assert -(-split_tokens // 60) % 8 != 0, split_tokens
+    assert f"Evaluated {split_tokens:,} tokens" in proc.stdout, proc.stdout
+    assert rep["ppl"]["total"]["tokens"] == split_tokens
     assert (out / "analysis" / "projection.png").stat().st_size > 1000
     # refusals, each one line before anything is written
     for args, message in (
             (["--tokens-per-sample", "64", "--context-window", "64"], "--context-window must be an integer in"),
             (["--group-preset", "wikitext103-official"],
-             f"--group-preset wikitext103-official uses the id ranges [0,13000), [13000,36000), [36000,V) and "
+             f"--group-preset wikitext103-official uses the id ranges [0,13001), [13001,36000), [36000,V) and "
              f"needs a vocabulary of more than 36000 types; this one has {types}"),
             (["--group-preset", "paper"], "--group-preset must be auto, fractions or wikitext103-official")):
         bad = run_script(recipe("evaluate.sh"), ["--checkpoint", ckpt, "--prep", prep, "--out", tmp_path / "bad"]
@@ -419,17 +433,18 @@ def test_paper_groups_on_a_vocabulary_above_36000(raw_dir, gpt2_bpe_dir, tmp_pat
     The fixture's text has a few hundred BPE types, so the dictionary here is a fairseq-format
     dict.txt of 36,204 entries (prepare.sh --gpt2-dict fairseq, as with fairseq's own GPT-2
     dict.txt), the fixture's ids spread over the three id ranges and the rest never seen. This
-    proves that the recipe gives the analysis the paper's id ranges (13,000 / 23,000 / V - 36,000
-    types) and scores targets in each, with eval-lm at the paper's 512 / 400; that these ids are
-    WikiText-103 frequency ranks needs the real corpus (--gpt2-dict corpus, V = 44,256)."""
+    proves that the recipe gives the analysis the paper's id ranges (13,001 / 22,999 / V - 36,000
+    types: its eval_lm.py counts ids <= 13,000 as frequent) and scores targets in each, with eval-lm
+    at the paper's 512 / 400; that these ids are WikiText-103 frequency ranks needs the real corpus
+    (--gpt2-dict corpus, V = 44,256)."""
     bpe_dir = tmp_path / "bpe"
     shutil.copytree(gpt2_bpe_dir, bpe_dir)
     encoder = json.loads((bpe_dir / "encoder.json").read_text())
     real = [str(i) for i in sorted(encoder.values())]
     lines = [f"{100000 + i} 1" for i in range(36200)]
     # line i of dict.txt is dictionary id i + 4 (fairseq's specials come first): the medium and rare
-    # ranges begin at lines 12,996 and 35,996; the fixture's ids go to the three ranges in turn
-    starts = (0, 13000 - 4, 36000 - 4)
+    # ranges begin at lines 12,997 and 35,996; the fixture's ids go to the three ranges in turn
+    starts = (0, 13001 - 4, 36000 - 4)
     for k, token in enumerate(real):
         lines[starts[k % 3] + k // 3] = f"{token} 1"
     (bpe_dir / "dict.txt").write_text("".join(line + "\n" for line in lines))
@@ -451,5 +466,5 @@ def test_paper_groups_on_a_vocabulary_above_36000(raw_dir, gpt2_bpe_dir, tmp_pat
     assert (rep["settings"]["tokens_per_sample"], rep["settings"]["context_window"]) == (512, 400)
     checkpoint = rep["checkpoints"][0]
     assert checkpoint["dictionary"]["size"] == 36204
-    assert checkpoint["groups"] == {"freq": 13000, "med": 23000, "rare": 204}
+    assert checkpoint["groups"] == {"freq": 13001, "med": 22999, "rare": 204}
     assert all(checkpoint["ppl"]["groups"][g]["tokens"] > 0 for g in ("freq", "med", "rare"))

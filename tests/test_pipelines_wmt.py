@@ -338,8 +338,14 @@ def _ckpt_dir(tmp_path, save, names):
 ])
 def test_evaluate_sh_default_falls_back(wmt_prep, wmt_trained, recipe, tmp_path, layout, notice):
     d = _ckpt_dir(tmp_path, wmt_trained["save"], layout)
-    proc = run_script(recipe("evaluate.sh"), ["--checkpoints", d, "--prep", wmt_prep["out"], "--subset", "valid",
-                                              "--", "--cpu", "--max-len-a", "1.2", "--max-len-b", "10"])
+    # DATA_BIN gives the data; --prep (here without a data-bin) the references
+    prep = tmp_path / "prep_without_data"
+    prep.mkdir()
+    os.symlink(os.path.join(wmt_prep["out"], "raw"), prep / "raw")
+    env = _env()
+    env["DATA_BIN"] = os.path.join(wmt_prep["out"], "data-bin")
+    proc = run_script(recipe("evaluate.sh"), ["--checkpoints", d, "--prep", prep, "--subset", "valid",
+                                              "--", "--cpu", "--max-len-a", "1.2", "--max-len-b", "10"], env=env)
     assert notice.format(d=d) in proc.stdout.splitlines(), proc.stdout
     assert re.search(r"^BLEU \(detokenized sacreBLEU, headline\): BLEU\|", proc.stdout, re.M)
     assert len(_lines(os.path.join(d, "eval-valid", "hyp.txt"))) == 40

@@ -13,7 +13,8 @@ RECIPES = ("wmt14_en_de", "wikitext103")
 
 
 def run_script(path, args, dry_run=False, **env_vars):
-    env = dict(os.environ, PYTHON=sys.executable, **env_vars)
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.update(env_vars)
     if dry_run:
         env["DRY_RUN"] = "1"
     return subprocess.run(["bash", path] + [str(a) for a in args], capture_output=True, text=True, env=env,
@@ -248,3 +249,73 @@ def test_train_sh_needs_a_method_and_takes_fairseq_flags_after_dashes(repo_root,
     assert bad.returncode == 2 and "'--max-update'" in bad.stderr and "fairseq flags go after --" in bad.stderr
     ok = run_script(script, ["agg", "--", "--max-update", "7"], dry_run=True)
     assert ok.returncode == 0 and ok.stdout.rstrip().endswith("--max-update 7")
+
+
+def recording_bin(directory):
+    """A bin directory for PYTHON=DIR/python: python runs this interpreter, and fairseq-train (what
+    train.sh runs from beside it) writes the arguments it gets to DIR/args, one a line."""
+    directory.mkdir()
+    (directory / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (directory / "fairseq-train").write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > '{directory / 'args'}'\n")
+    for name in ("python", "fairseq-train"):
+        (directory / name).chmod(0o755)
+    return directory
+
+
+PRECISION_NOTICE = ("[train] --precision auto: the printed command trains in fp16 (--fp16) on the GPU machine it "
+                    "is for; --precision fp32 prints it without")
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_train_sh_precision_is_the_target_machines(repo_root, recipe, tmp_path):
+    """A dry run prints the command for the GPU machine it is meant for: the recipe's --fp16 also on
+    a machine without a GPU, fp32 with --precision fp32 (issue #49). A run started here trains in
+    fp16 where it is on GPUs, in fp32 on this machine's CPU, unless --precision says otherwise."""
+    import torch
+
+    seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    script = os.path.join(repo_root, "examples", recipe, "train.sh")
+    for args, fp16 in ((["--dry-run"], True), (["--dry-run", "--precision", "fp32"], False),
+                       (["--dry-run", "--precision", "fp16"], True),
+                       (["--nodes", "2", "--gpus", "8", "--rdzv-endpoint", "h:1", "--dry-run", "--precision", "fp32"],
+                        False)):
+        proc = run_script(script, ["agg"] + args)
+        assert proc.returncode == 0, proc.stderr
+        assert ("--fp16" in fairseq_args(proc.stdout)) == fp16, args
+        assert (PRECISION_NOTICE in proc.stderr.splitlines()) == (seen == 0 and "--precision" not in args), args
+    bad = run_script(script, ["agg", "--precision", "bf16", "--dry-run"], SAVE_DIR=str(tmp_path / "save"))
+    assert "--precision must be auto, fp16 or fp32, got 'bf16'" in one_error_line(bad, "train.sh")
+    # run, not printed: what fairseq-train gets
+    data, bindir = tmp_path / "data", recording_bin(tmp_path / "bin")
+    data.mkdir()
+    for name in ("dict.txt", "dict.en.txt"):
+        (data / name).write_text("a 1\n")
+    for args, fp16 in (([], seen > 0), (["--precision", "fp16"], True), (["--precision", "fp32"], False)):
+        proc = run_script(script, ["agg"] + args, PYTHON=str(bindir / "python"), DATA_BIN=str(data),
+                          SAVE_DIR=str(tmp_path / "save"))
+        assert proc.returncode == 0, proc.stderr
+        assert PRECISION_NOTICE not in proc.stderr
+        received = (bindir / "args").read_text().splitlines()
+        assert received[0] == str(data) and ("--fp16" in received) == fp16, args
+
+
+@pytest.mark.parametrize("recipe, checkpoint_flag, dictionary", [("wikitext103", "--checkpoint", "dict.txt"),
+                                                                  ("wmt14_en_de", "--checkpoints", "dict.de.txt")])
+def test_evaluate_sh_reads_the_data_from_data_bin(repo_root, recipe, checkpoint_flag, dictionary, tmp_path):
+    """DATA_BIN moves the data for evaluate.sh as for train.sh (issue #49): a DATA_BIN without the
+    data is refused in one line naming it, before anything is written, even where --prep has it
+    (the recipes' end-to-end tests evaluate from a DATA_BIN whose --prep holds no data-bin)."""
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    if checkpoint_flag == "--checkpoint":
+        checkpoint = checkpoint / "checkpoint_best.pt"
+        checkpoint.write_bytes(b"")
+    prep = tmp_path / "prep"
+    (prep / "data-bin").mkdir(parents=True)
+    (prep / "data-bin" / dictionary).write_text("a 1\n")
+    proc = run_script(os.path.join(repo_root, "examples", recipe, "evaluate.sh"),
+                      [checkpoint_flag, checkpoint, "--prep", prep, "--out", tmp_path / "out"],
+                      DATA_BIN=str(tmp_path / "moved"))
+    line = one_error_line(proc, "evaluate.sh")
+    assert line == f"evaluate.sh: error: DATA_BIN={tmp_path / 'moved'} has no {dictionary} (a data-bin of prepare.sh)"
+    assert not (tmp_path / "out").exists()

@@ -158,6 +158,12 @@ OFF = "has no effect while --embed-stats-interval is 0 \\(statistics off\\): giv
          r"^--tev-exclude-special has no effect \(it changes TEV\) while --embed-stats-interval is 0 "
          r"\(only isotropy, every 5 updates\): give --embed-stats-interval N > 0 too"),
         ({"embed_isotropy_interval": 5, "tev_init_std": 0.1}, r"^--tev-init-std 0.1 has no effect \(it changes TEV\)"),
+        # statistics on, not split by group: the group definition has no effect (issue #49)
+        ({"embed_stats_interval": 5, "embed_group_preset": "wikitext103-official"},
+         r"^--embed-group-preset wikitext103-official has no effect without --embed-stats-groups \(no statistic is "
+         r"split by frequency group\): give --embed-stats-groups too, or leave it out$"),
+        ({"embed_isotropy_interval": 5, "embed_group_fractions": "0.2,0.5,0.3"},
+         r"^--embed-group-fractions 0.2,0.5,0.3 has no effect without --embed-stats-groups"),
     ],
 )
 def test_flags_without_effect_name_both_flags(kwargs, message):
@@ -175,6 +181,12 @@ def test_flags_with_effect_are_accepted():
     assert (iso_only.interval, iso_only.iso_interval, iso_only.groups, iso_only.valid) == (0, 5, True, False)
     on = EmbeddingStatsSettings(embed_stats_interval=3, tev_effective=True, tev_init_std=0.05, embed_stats_groups=True)
     assert (on.iso_interval, on.effective, on.init_std) == (30, True, 0.05)
+    grouped = EmbeddingStatsSettings(embed_stats_interval=3, embed_stats_groups=True,
+                                     embed_group_fractions="0.2,0.5,0.3")
+    assert grouped.fractions == (0.2, 0.5, 0.3)
+    preset = EmbeddingStatsSettings(embed_isotropy_interval=5, embed_stats_groups=True,
+                                    embed_group_preset="wikitext103-official")
+    assert preset.preset == "wikitext103-official"
 
 
 def test_group_flags_serve_agg_freezing_with_statistics_off(lm_data_bin):
@@ -187,6 +199,12 @@ def test_group_flags_serve_agg_freezing_with_statistics_off(lm_data_bin):
     assert not settings.enabled and settings.fractions == (0.2, 0.5, 0.3)
     with pytest.raises(UsageError, match=r"^--embed-group-fractions 0.2,0.5,0.3 " + OFF):
         build(agg)  # the default --agg-freeze-set window does not read the groups
+    # statistics on without --embed-stats-groups: the freezing still reads them
+    _, _, criterion = build(agg + ["--agg-freeze-set", "group", "--embed-stats-interval", "5"])
+    assert criterion.embedding_stats.settings.fractions == (0.2, 0.5, 0.3)
+    with pytest.raises(UsageError, match=r"^--embed-group-fractions 0.2,0.5,0.3 has no effect without "
+                                         r"--embed-stats-groups"):
+        build(agg + ["--embed-stats-interval", "5"])
 
 
 def test_isotropy_interval_defaults_to_ten_times_the_stats_interval():

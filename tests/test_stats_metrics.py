@@ -373,9 +373,14 @@ def test_row_selection():
 def test_preset_and_fraction_errors():
     d = _dictionary({f"w{i}": 40000 - i for i in range(36500)})
     grp = G.frequency_groups(d, preset="wikitext103-official")
-    assert grp["freq"].tolist() == list(range(13000))  # the official ids, specials included
-    assert grp["med"][0].item() == 13000 and grp["med"][-1].item() == 35999
-    assert grp["rare"][0].item() == 36000 and grp["rare"][-1].item() == len(d) - 1
+    # by hand, from the authors' eval_lm.py (mask_high = tokens <= 13000, mask_low = tokens >= 36000,
+    # mid the rest): ids 0..13000 frequent (13,001 ids, specials included), 13001..35999 medium
+    # (22,999), 36000..V-1 rare
+    assert grp["freq"].tolist() == list(range(13001))
+    assert grp["med"].tolist() == list(range(13001, 36000))
+    assert grp["rare"].tolist() == list(range(36000, len(d)))
+    lookup = G.group_lookup(grp, len(d))
+    assert lookup[[0, 12999, 13000, 13001, 35999, 36000]].tolist() == [0, 0, 0, 1, 1, 2]
     with pytest.raises(ValueError, match="--embed-group-preset.*more than 36000"):
         G.frequency_groups(_dictionary(COUNTS), preset="wikitext103-official")
     with pytest.raises(ValueError, match="--group-preset: unknown preset"):

@@ -250,12 +250,13 @@ def test_depth_figure_draws_the_spike_panel_only_when_a_run_had_a_spike(tmp_path
     assert "no spike" not in spiky._suptitle.get_text()
 
 
-def test_frontier_labels_of_close_points_cover_no_other_label(tmp_path, monkeypatch):
+def test_frontier_labels_of_close_points_cover_no_other_label_and_no_point(tmp_path, monkeypatch):
     drawn = []
     monkeypatch.setattr(R, "save_study_figure", lambda fig, path: drawn.append(fig) or path)
-    names, groups, summary = ["baseline", "cosreg"], {"baseline": {}, "cosreg": {}}, {}
+    names, groups, summary = ["baseline", "freeze", "cosreg"], {"baseline": {}, "freeze": {}, "cosreg": {}}, {}
     summary["baseline"] = _summary({"isotropy": 0.16, "isotropy_raw": 0.31, "test_ppl": 79.9})
-    summary["cosreg"] = _summary({"isotropy": 0.68, "isotropy_raw": 0.68, "test_ppl": 81.8})
+    summary["freeze"] = _summary({"isotropy": 0.16, "isotropy_raw": 0.31, "test_ppl": 79.9})  # on the baseline
+    summary["cosreg"] = _summary({"isotropy": 0.31, "isotropy_raw": 0.48, "test_ppl": 80.7})  # beside the sweeps
     for g1, shift in (("code", 0.0), ("normalized", -0.004)):  # two sweeps almost on top of each other
         for k, alpha in enumerate((0.01, 0.02, 0.04, 0.08)):
             n = f"{g1}-a{alpha}"
@@ -264,6 +265,7 @@ def test_frontier_labels_of_close_points_cover_no_other_label(tmp_path, monkeypa
             summary[n] = _summary({"isotropy": 0.28 + 0.005 * k + shift, "isotropy_raw": 0.45 + 0.005 * k + shift,
                                    "test_ppl": 80.65 - 0.01 * k + shift})
     R.figure_frontier(summary, names, groups, str(tmp_path / "frontier.png"))
+    from matplotlib.container import ErrorbarContainer
     from matplotlib.text import Text
 
     (fig,) = drawn
@@ -276,6 +278,108 @@ def test_frontier_labels_of_close_points_cover_no_other_label(tmp_path, monkeypa
             t.update_positions(renderer)
         boxes = [Text.get_window_extent(t, renderer) for t in labels]  # the text, without its leader line
         assert not [(i, j) for i in range(8) for j in range(i) if boxes[i].overlaps(boxes[j])]
+        points = {line.get_label(): line for line in ax.get_lines() if line.get_label() in names}
+        assert set(points) == set(names)
+        for n, line in points.items():  # every marker, with a point to spare around it, is clear of every label
+            (x, y), = ax.transData.transform(line.get_xydata())
+            r = (line.get_markersize() / 2 + line.get_markeredgewidth() + 1) * fig.dpi / 72
+            assert not [t.get_text() for t, b in zip(labels, boxes) if b.x0 < x + r and b.x1 > x - r
+                        and b.y0 < y + r and b.y1 > y - r], n
+        # the freezing point on the baseline's: an open, larger ring around the filled one, above it
+        base, freeze = points["baseline"], points["freeze"]
+        assert base.get_markerfacecolor() != "none" and freeze.get_markerfacecolor() == "none"
+        assert freeze.get_markersize() > base.get_markersize() and freeze.get_zorder() > base.get_zorder()
+        assert not any(isinstance(c, ErrorbarContainer) for c in ax.containers)  # one seed: plain markers
+    assert "open, larger marker" in fig.axes[1].get_legend().get_title().get_text()
+
+
+def _run(name, seed, valid, train=((10, 9.0), (20, 8.0))):
+    return {"name": name, "seed": seed, "run_id": f"{name}-s{seed}", "updates": 100, "wall_seconds": 60.0,
+            "train_seconds": 50.0, "rare_tokens": None,
+            "curves": {"train_loss": list(train), "valid_ppl": list(valid), "valid_loss": []},
+            "metrics": {"test_ppl": 100.0 + seed, "isotropy": 0.1 * seed, "isotropy_raw": 0.1 * seed, "mean_cos": 0.1,
+                        **{f"test_ppl_{g}": 100.0 for g in R.GROUPS}}}
+
+
+def _styles_by_label(figs, names):
+    """{label: {(colour, marker, figure index)}} of every line of ``figs`` labelled with a name."""
+    from matplotlib.colors import to_hex
+
+    found = {}
+    for k, fig in enumerate(figs):
+        for ax in fig.axes:
+            for line in ax.get_lines():
+                if line.get_label() in names:
+                    found.setdefault(line.get_label(), set()).add((to_hex(line.get_color()), line.get_marker(), k))
+    return found
+
+
+def test_a_run_keeps_one_colour_and_marker_in_every_figure_of_a_part(tmp_path, monkeypatch):
+    drawn = []
+    monkeypatch.setattr(R, "save_study_figure", lambda fig, path: drawn.append(fig) or path)
+    specs = P.run_specs(P.PARTS["alpha"], "smoke", [1])
+    names = list(dict.fromkeys(s.name for s in specs))
+    results = [_run(n, 1, [(80, 120.0 + i), (100, 110.0 + i)]) for i, n in enumerate(names)]
+    R.make_report(P.PARTS["alpha"], types.SimpleNamespace(budget="smoke", jobs=1), P.BUDGET["alpha"]["smoke"], specs,
+                  results, str(tmp_path), dict(P.SPIKE_DEFAULTS), [])
+    assert len(drawn) == 2  # the learning curves and the frontier
+    found = _styles_by_label(drawn, names)
+    assert set(found) == set(names)
+    for n, seen in found.items():  # in both figures, in one colour and marker
+        assert {k for _, _, k in seen} == {0, 1} and len({(c, m) for c, m, _ in seen}) == 1, (n, seen)
+    assert len({next(iter(seen))[:2] for seen in found.values()}) == len(names)  # no two runs alike
+    assert {c for c, _, _ in found["baseline"]} == {"#000000"}
+    # the depth part: a method's runs at every depth in its colour and marker, told apart by line style
+    groups = {"baseline-L2": {"method": "baseline"}, "mlra-gpt2-L2": {"method": "mlra-gpt2"},
+              "baseline-L6": {"method": "baseline"}}
+    depth = R.part_styles(P.PARTS["depth"], list(groups), groups)
+    assert depth["baseline-L2"]["color"] == depth["baseline-L6"]["color"] == depth["baseline"]["color"]
+    assert depth["baseline-L2"]["marker"] == depth["baseline-L6"]["marker"] != depth["mlra-gpt2-L2"]["marker"]
+    assert depth["baseline-L2"]["linestyle"] != depth["baseline-L6"]["linestyle"]
+
+
+def test_one_seed_draws_plain_markers_and_several_seeds_keep_error_bars(tmp_path, monkeypatch):
+    from matplotlib.container import ErrorbarContainer
+
+    drawn = []
+    monkeypatch.setattr(R, "save_study_figure", lambda fig, path: drawn.append(fig) or path)
+    names, groups = ["baseline-L2", "mlra-L2", "baseline-L6", "mlra-L6"], {}
+    for seeds in (1, 2):
+        summary = {}
+        for n in names:
+            groups[n] = {"method": n.split("-")[0], "depth": int(n[-1])}
+            summary[n] = _summary({"tev_mu": 0.15, "tev_sigma": 0.04, "test_ppl": 90.0, "max_gnorm": 1.2,
+                                   "gnorm_spikes": 0, "loss_spikes": 0}, seeds)
+            for v in summary[n].values():
+                if isinstance(v, dict):
+                    v["spread"] = 0.0 if seeds == 1 else 0.5
+        R.figure_depth(summary, names, groups, str(tmp_path / "depth.png"), dict(P.SPIKE_DEFAULTS))
+    one, two = drawn
+    for ax in one.axes:
+        assert not ax.containers and not ax.collections  # no bar, no cap: a line with markers
+    assert all(isinstance(h, type(one.axes[0].get_lines()[0])) for h in one.axes[-1].get_legend().legend_handles)
+    for ax in two.axes:
+        assert sum(isinstance(c, ErrorbarContainer) for c in ax.containers) == 2  # one a variant
+
+
+def test_log_axes_label_round_numbers_across_the_data_range(tmp_path, monkeypatch):
+    from study.figure_style import LogTicks
+
+    drawn = []
+    monkeypatch.setattr(R, "save_study_figure", lambda fig, path: drawn.append(fig) or path)
+    curve = [(u, 170.0 * (80.0 / 170.0) ** (u / 1000)) for u in range(0, 1001, 100)]  # 170 down to 80
+    R.figure_curves({"baseline": [_run("baseline", 1, curve)]}, ["baseline"], str(tmp_path / "curves.png"),
+                    [(lambda r: r["curves"]["valid_ppl"], "valid PPL (log scale)", True)])
+    (fig,) = drawn
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    low, high = ax.get_ylim()
+    labelled = sorted(t.get_position()[1] for t in ax.get_yticklabels(which="both")
+                      if t.get_text() and low <= t.get_position()[1] <= high)
+    assert len(labelled) >= 4 and labelled[0] <= 90 and labelled[-1] >= 150, labelled
+    # over decades: 1, 2 and 5 of each
+    assert [t for t in LogTicks().tick_values(1, 5000) if 1 <= t <= 5000] == pytest.approx(
+        [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000])
 
 
 # ---------------------------------------------------------------------------- greedy decoding

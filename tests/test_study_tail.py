@@ -138,6 +138,49 @@ def test_curve_panels_leave_out_a_panel_that_holds_only_the_baseline():
     assert TR.curve_panels([]) == []
 
 
+def test_tail_figures_draw_each_run_in_one_style_in_every_panel(tmp_path, monkeypatch):
+    from matplotlib.colors import to_hex, to_rgb
+    from matplotlib.container import ErrorbarContainer
+
+    drawn = []
+    monkeypatch.setattr(TR, "save_study_figure", lambda fig, path: drawn.append(fig) or path)
+    names = ["baseline", "agg", "freeze", "agg-pu", "freeze-group", "coupled-adam", "cosreg", "face", "new-method"]
+    seeds = {n: (1, 2) if n in ("baseline", "agg") else (1,) for n in names}
+
+    def run(n, seed):
+        window = None if n in ("baseline", "coupled-adam", "cosreg", "face", "new-method") else {
+            "threshold_mode": "per-update" if "pu" in n else "relative", "rare": 40 + seed, "alpha": 0.03,
+            "frozen": n.startswith("freeze"), "freeze_set": "group" if n == "freeze-group" else None}
+        curve = [(u, 170.0 - u / 10) for u in range(10, 900, 10)]
+        return {"name": n, "seed": seed, "run_id": f"{n}-s{seed}", "last_train": {},
+                "curves": {"train_nll": [(u, 9.0 - u / 200) for u, _ in curve], "valid_ppl": curve},
+                "metrics": {"agg_rare_curve": window and [(u, 900 - u) for u, _ in curve], "agg_window": window,
+                            "isotropy": 0.2 + names.index(n) / 100}}
+
+    by_name = {n: [run(n, s) for s in seeds[n]] for n in names}
+    summary = {n: {f"test_ppl_{p}{g}": {"mean": 80.0 + 40 * k, "spread": 0.5 * (len(seeds[n]) - 1)}
+                   for p in ("", "demo_") for k, g in enumerate(TR.GROUPS)} | {"seeds": list(seeds[n])} for n in names}
+    TR.figure_curves(by_name, names, str(tmp_path / "c.png"), str(tmp_path))
+    TR.figure_rare_set(by_name, names, str(tmp_path / "r.png"))
+    TR.figure_isotropy_vs_rare(by_name, names, str(tmp_path / "i.png"), static_rare=30)
+    TR.figure_group_ppl(summary, names, str(tmp_path / "g.png"))
+    curves, rare, iso, bars = drawn
+    style = {}  # name: {(colour, marker, line style)} over every line of the curves and the rare set
+    for ax in curves.axes + rare.axes:
+        for line in ax.get_lines():
+            style.setdefault(line.get_label(), set()).add((to_hex(line.get_color()), line.get_marker(),
+                                                           line.get_linestyle()))
+    assert set(style) == set(names) and all(len(v) == 1 for v in style.values()), style
+    assert len({next(iter(v)) for v in style.values()}) == len(names)  # no two runs alike, across the panels
+    colour = {n: to_rgb(next(iter(v))[0]) for n, v in style.items()}
+    for coll in iso.axes[0].collections:  # isotropy vs rare set: the run's colour
+        assert tuple(coll.get_edgecolor()[0][:3]) == colour[coll.get_label().split(" (")[0]]
+    for ax in bars.axes[:2]:  # per frequency group: each bar in its run's colour; error bars for two seeds alone
+        assert [to_rgb(p.get_facecolor()) for p in ax.patches] == [colour[n] for _ in TR.GROUPS for n in names]
+        bars_drawn = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+        assert sum(len(c.lines[2][0].get_segments()) for c in bars_drawn) == 2 * len(TR.GROUPS)
+
+
 
 def _dictionary(n_types):
     from fairseq.data import Dictionary

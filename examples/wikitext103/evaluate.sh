@@ -7,14 +7,15 @@
 # Flags (default):
 #   --checkpoint PATH        a checkpoint, or train.sh's --save-dir: then its checkpoint_best.pt
 #                            (checkpoint_last.pt when there is none) (required)
-#   --prep DIR               the --out of prepare.sh (data/wikitext103)
+#   --prep DIR               the --out of prepare.sh, with data-bin/ (unless DATA_BIN) and
+#                            tokenizer.txt (data/wikitext103)
 #   --subset test|valid      (test)
 #   --tokens-per-sample N    block length, >= 2 (512, the AGG paper's)
 #   --context-window N       tokens of context each scored token sees, 0 <= N < --tokens-per-sample
 #                            (400, the AGG paper's)
 #   --batch-size N           blocks per batch (2)
 #   --group-preset NAME      frequency groups of the per-group perplexity: wikitext103-official
-#                            (the paper's ids [0,13000), [13000,36000), [36000,V); needs V > 36,000),
+#                            (the paper's ids [0,13001), [13001,36000), [36000,V); needs V > 36,000),
 #                            fractions (30% / 50% / 20% of the types in dictionary order) or auto:
 #                            the paper's preset on the paper's vocabulary (prepare.sh --tokenizer
 #                            gpt2 --gpt2-dict corpus) when it is large enough, else the fractions
@@ -23,14 +24,18 @@
 #   -h, --help               this help
 # Everything after -- goes to fairseq-eval-lm (e.g. -- --cpu).
 #
+# Environment: DATA_BIN (default PREP/data-bin) moves the data, as for train.sh: the data-bin scored;
+# --prep still gives prepare.sh's tokenizer.txt (for --group-preset auto).
+#
 # 1. fairseq-eval-lm with the AGG paper's setting (512-token blocks, each scored token seeing
 #    400 tokens of context): the headline perplexity, per token of the prepared vocabulary;
 # 2. fairseq-agg-analyze with --data, scoring the same blocks with the same context window as
 #    step 1 (its groups split eval-lm's total): perplexity per frequency group of the target token
 #    (--group-preset), isotropy I(W), µTEV / σTEV and mean cosine of the embeddings, report.json
 #    and PNG figures. The paper's groups are frequency ranks: ids of a dictionary that
-#    fairseq-preprocess sorted by training count, cut at 13,000 and 36,000 (of V = 44,256 GPT-2
-#    types on WikiText-103); on another dictionary the same ids mean other ranks.
+#    fairseq-preprocess sorted by training count: ids up to 13,000 frequent, from 36,000 on rare, as
+#    the authors' eval_lm.py cuts them (of V = 44,256 GPT-2 types on WikiText-103); on another
+#    dictionary the same ids mean other ranks.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -51,8 +56,13 @@ fi
 need_int --tokens-per-sample "$tps" 2
 [[ "$ctx" =~ ^[0-9]+$ ]] && (( ctx < tps )) || die "--context-window must be an integer in [0, --tokens-per-sample), got '$ctx'"
 need_int --batch-size "$bsz" 1
-data="$prep/data-bin"
-[[ -f "$data/dict.txt" ]] || die "--prep $prep: no data-bin/dict.txt (run prepare.sh with --out $prep)"
+if [[ -n "${DATA_BIN:-}" ]]; then
+  data="$DATA_BIN"
+  [[ -f "$data/dict.txt" ]] || die "DATA_BIN=$data has no dict.txt (a data-bin of prepare.sh)"
+else
+  data="$prep/data-bin"
+  [[ -f "$data/dict.txt" ]] || die "--prep $prep: no data-bin/dict.txt (run prepare.sh with --out $prep)"
+fi
 case "$preset" in auto|fractions|wikitext103-official) ;;
   *) die "--group-preset must be auto, fractions or wikitext103-official, got '$preset'" ;; esac
 types=$(( $(wc -l < "$data/dict.txt") + 4 ))  # fairseq adds 4 special symbols to dict.txt's entries
@@ -79,7 +89,8 @@ out="${out:-$(dirname "$ckpt")/eval-$subset}"
 mkdir -p "$out"
 
 echo "[evaluate] fairseq-eval-lm on $subset: $tps-token blocks, context window $ctx"
-# batch-size multiple 1: this fairseq build drops a final batch smaller than the multiple
+# Every block is scored: eval-lm's loader batches with a multiple of 1 whatever this flag says (the
+# task's eval_lm_dataloader passes none); the flag keeps it so should a fairseq read it
 "$bindir/fairseq-eval-lm" "$data" --user-dir "$root/fairseq_agg" --task language_modeling \
   --path "$ckpt" --gen-subset "$subset" --tokens-per-sample "$tps" --context-window "$ctx" \
   --batch-size "$bsz" --required-batch-size-multiple 1 "${extra[@]}" 2>&1 | tee "$out/eval_lm.log" \

@@ -25,6 +25,10 @@
 #   --distributed-port P    slurm: the port fairseq meets at on the first node (29500)
 #   --dry-run               print the command (slurm: an sbatch script) instead of running it (off);
 #                           `--nodes M --gpus N --dry-run` prints both launchers' forms (--launcher)
+#   --precision P           fp16, fp32 or auto: fp16 (--fp16, the paper's) when the run is on GPUs
+#                           (a GPU here, several GPUs, torchrun or slurm) or printed by --dry-run (a
+#                           command for a GPU machine, also from a machine without one), fp32 when it
+#                           runs on this machine's CPU (auto)
 #   -h, --help              this help
 # Everything after -- goes to fairseq-train last, so it overrides the recipe's values
 # (e.g. -- --max-update 1000).
@@ -40,8 +44,10 @@
 # machines (docs/usage.md): changing the GPU count does not change which tokens are rare.
 #
 # Launchers. torchrun: run the printed command on every machine (it needs --rdzv-endpoint on
-# several); fairseq reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (env://) and picks the GPU
-# RANK mod the GPUs it sees (it does not read LOCAL_RANK), so N should be the machine's GPU count.
+# several); fairseq reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (env://). Each rank's GPU:
+# RANK mod the GPUs it sees in fairseq-fixed and fairseq main (LOCAL_RANK unread), LOCAL_RANK (the
+# --device-id default since 0.12.0) in stock fairseq 0.12.x; with N = the machine's GPU count both
+# give each rank its own GPU, so N should be that count.
 # slurm: `train.sh METHOD --nodes M --gpus N --launcher slurm --dry-run > job.sh; sbatch job.sh`
 # runs one task per GPU (srun); fairseq reads SLURM_STEP_NODELIST, SLURM_PROCID and SLURM_LOCALID.
 # A single machine with fewer GPUs than --gpus is a warning, not an error: the command may be for
@@ -50,8 +56,8 @@
 # Hyper-parameters are the AGG paper's LM runs: transformer_lm_gpt2_small (24 layers, d 1024,
 # FFN 4096, 16 heads, dropout 0.1) with tied embeddings, Adam (0.9, 0.98), lr 7e-4, inverse_sqrt
 # with 4000 warm-up updates from 1e-7, weight decay 0.01, no clipping, 1024-token samples,
-# 50k updates, seed 1; --fp16 on a GPU. Checkpoints: checkpoint_best.pt, checkpoint_last.pt and
-# one per epoch.
+# 50k updates, seed 1; --fp16 on GPUs (--precision). Checkpoints: checkpoint_best.pt,
+# checkpoint_last.pt and one per epoch.
 #
 # Environment: DATA_BIN (default data/wikitext103/data-bin), SAVE_DIR (default
 # checkpoints/wikitext103/METHOD), EMBED_STATS_INTERVAL (log TEV / mean cosine every N updates;
@@ -63,8 +69,9 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$here/../common.sh"  # root, py, bindir, die, parse_flags and the train.sh helpers
 
 nodes=1; gpus=1; update_freq=""; launcher=""; rdzv_endpoint=""; distributed_port=""; dry_run=0
+precision_choice=auto
 parse_flags "@ --nodes=nodes --gpus=gpus --update-freq=update_freq --launcher=launcher --rdzv-endpoint=rdzv_endpoint
-  --distributed-port=distributed_port --dry-run=!dry_run --" "$@"
+  --distributed-port=distributed_port --dry-run=!dry_run --precision=precision_choice --" "$@"
 read_method
 [[ ${#positional[@]} -le 1 ]] || die "unexpected argument '${positional[1]}' (see --help; fairseq flags go after --)"
 train_settings "$root/data/wikitext103/data-bin" "$root/checkpoints/wikitext103/$method" dict.txt \

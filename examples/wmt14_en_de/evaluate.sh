@@ -6,8 +6,8 @@
 #
 # Flags (default):
 #   --checkpoints DIR        the --save-dir of train.sh (required)
-#   --prep DIR               the --out of prepare.sh, with data-bin/ and raw/SUBSET.de
-#                            (data/wmt14_en_de)
+#   --prep DIR               the --out of prepare.sh, with data-bin/ (unless DATA_BIN) and
+#                            raw/SUBSET.de (data/wmt14_en_de)
 #   --num-checkpoints N      checkpoints to average (5)
 #   --kind auto|epoch|update which checkpoints (auto). epoch: the last N checkpointE.pt;
 #                            update: the last N checkpoint_E_U.pt; both an error when there are
@@ -24,6 +24,9 @@
 #   --out DIR                where the outputs go (CHECKPOINTS/eval-SUBSET)
 #   -h, --help               this help
 # Everything after -- goes to fairseq-generate (e.g. -- --cpu).
+#
+# Environment: DATA_BIN (default PREP/data-bin) moves the data, as for train.sh: the data-bin
+# translated; --prep still gives the references (raw/SUBSET.de).
 #
 # Steps:
 # 1. averages the chosen checkpoints with `fairseq-agg average-checkpoints`;
@@ -65,7 +68,8 @@ need_int --num-checkpoints "$num" 1
 [[ -z "$upper" ]] || need_int --upper-bound "$upper" 0
 need_int --beam "$beam" 1
 need_int --batch-size "$bsz" 1
-data="$prep/data-bin"; ref="$prep/raw/$subset.de"
+data="${DATA_BIN:-$prep/data-bin}"; ref="$prep/raw/$subset.de"
+[[ -z "${DATA_BIN:-}" || -f "$data/dict.de.txt" ]] || die "DATA_BIN=$data has no dict.de.txt (a data-bin of prepare.sh)"
 for f in "$data/dict.de.txt" "$ref"; do
   [[ -f "$f" ]] || die "--prep $prep: missing $f (run prepare.sh with --out $prep)"
 done

@@ -27,7 +27,7 @@ from fairseq.dataclass import ChoiceEnum
 from omegaconf import II
 
 from fairseq_agg.errors import UsageError, check_choice, check_integer, check_number, flag_name, plain_value
-from fairseq_agg.fairseq_facts.checkpoint_files import last_loaded_checkpoint
+from fairseq_agg.fairseq_facts.checkpoint_files import criterion_state_saved_after, last_loaded_checkpoint
 from fairseq_agg.fairseq_facts.checkpoint_state import anchor_criterion_state, anchored, holds_criterion_state
 from fairseq_agg.fairseq_facts.training_loop import TrainingLoop, updates_per_epoch
 from fairseq_agg.ops import LossRequest, LossResult
@@ -248,6 +248,9 @@ class OutputLossCriterion(FairseqCriterion):
                                  f"({', '.join(n + '.*' for n in self.state_names)}): {restart} starts them empty")
             logger.info(f"the checkpoint has no counts of {self.name} (written by another criterion): they start empty")
             return None
+        for name in self.state_names:  # a window's update number is checked against the checkpoint's
+            if hasattr(getattr(self, name), "saved_after"):
+                getattr(self, name).saved_after = criterion_state_saved_after(state_dict)
         try:
             return super().load_state_dict(state_dict, strict=strict, **kwargs)
         except UsageError as error:

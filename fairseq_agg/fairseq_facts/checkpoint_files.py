@@ -18,7 +18,8 @@ fairseq's files:
   run, or damaged) is refused in one line naming it and the newest intact checkpoint beside it
   to pass to ``--restore-file``; the path and the criterion of the checkpoint loaded last are
   kept for the plugin's criteria (:func:`last_loaded_checkpoint`), whose counts name the file
-  when they refuse it.
+  when they refuse it, and its criterion state carries the updates it was saved after
+  (:func:`criterion_state_saved_after`), which a counting window's update number must match.
 """
 import glob
 import os
@@ -30,6 +31,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from fairseq_agg.errors import UsageError
+from fairseq_agg.fairseq_facts.checkpoint_state import allow_namespace_in_checkpoints
 from fairseq_agg.files import atomic_path, remove_dead_temporaries, temporary_file_pattern
 
 
@@ -55,6 +57,35 @@ def writing_criterion(state) -> Optional[str]:
         return str(criterion.get("_name"))
     args = state.get("args") if isinstance(state, dict) else None
     return getattr(args, "criterion", None)
+
+
+def saved_updates(state) -> Optional[int]:
+    """The number of updates a checkpoint's training run had done when it saved it (fairseq's
+    ``optimizer_history``), or None when it does not say."""
+    try:
+        return int(state["optimizer_history"][-1]["num_updates"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+
+
+# the attribute of a loaded checkpoint's criterion state that holds saved_updates of the checkpoint
+SAVED_AFTER = "_fairseq_agg_saved_after"
+
+
+def mark_criterion_state(state):
+    """Tags the criterion state of a loaded checkpoint with the updates it was saved after. fairseq's
+    Trainer hands that same object to the criterion's ``load_state_dict`` (and, loading on one rank,
+    pickles it with its attributes to the others); a plain dict, or no state, takes no tag."""
+    criterion_state = state.get("criterion") if isinstance(state, dict) else None
+    try:
+        setattr(criterion_state, SAVED_AFTER, saved_updates(state))
+    except AttributeError:
+        pass
+
+
+def criterion_state_saved_after(criterion_state) -> Optional[int]:
+    """The updates the checkpoint of this criterion state was saved after (None: not known)."""
+    return getattr(criterion_state, SAVED_AFTER, None)
 
 
 def atomic_copy(src_path: str, dst_path: str) -> bool:
@@ -128,12 +159,16 @@ def newest_intact_checkpoint(directory: str, exclude: str) -> Optional[str]:
 
 
 def checkpoint_updates(path: str) -> int:
-    """The number of updates a readable checkpoint was saved after (-1 if it does not say)."""
+    """The number of updates a readable checkpoint was saved after (-1 if it does not say). Read
+    with torch's safe loader, as fairseq loads checkpoints: the save directory may hold any file
+    named checkpoint*.pt, and unpickling one must not run its code."""
+    allow_namespace_in_checkpoints()
     try:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-        return int(state["optimizer_history"][-1]["num_updates"])
-    except Exception:  # an archive that is complete but is no fairseq checkpoint ranks last
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception:  # an archive that is complete but is no (safely loadable) checkpoint ranks last
         return -1
+    updates = saved_updates(state)
+    return -1 if updates is None else updates
 
 
 def readable_checkpoint(path: str) -> bool:
@@ -166,6 +201,7 @@ def check_checkpoints_on_load():
                 raise UsageError(damaged_checkpoint_message(path)) from error
             raise
         _last_loaded = LoadedCheckpoint(os.path.abspath(path), writing_criterion(state))
+        mark_criterion_state(state)
         return state
 
     load_checkpoint_to_cpu._checked = True

@@ -86,6 +86,7 @@ class RareTokenWindow(torch.nn.Module):
         self.current = torch.zeros(self.vocab_size, dtype=torch.int64)  # histogram of update `update_index`
         self.update_index = 0  # t of the update being counted (0 = none yet)
         self.recorded = 0  # updates in the window, capped at `window` (the denominator)
+        self.saved_after = None  # updates of the checkpoint being loaded (None: unknown), set by the criterion
         if window is not None:
             self.set_window(window)
 
@@ -126,7 +127,8 @@ class RareTokenWindow(torch.nn.Module):
         t = self.update_index
         ring = torch.zeros(window, self.vocab_size, dtype=torch.uint8)
         overflow = {}
-        for s in range(max(t - min(window, self.window) + 1, 1), t):  # finished updates kept
+        # finished updates kept (those numbered 0 or less come from an update number that went back)
+        for s in range(t - min(window, self.window) + 1, t):
             ring[s % window] = self.ring[self._slot(s)]
             if self._slot(s) in self.overflow:
                 overflow[s % window] = self.overflow[self._slot(s)]
@@ -140,10 +142,12 @@ class RareTokenWindow(torch.nn.Module):
             raise RuntimeError("RareTokenWindow.set_window must be called before counting")
         if t == self.update_index:
             return
-        if self.update_index > 0:  # commit the finished update to its ring row
+        if t < self.update_index:  # the update number went back: go on from t - 1
+            self._renumber(t - 1)
+        elif self.update_index > 0:  # commit the finished update to its ring row
             self.commit(self.current.to("cpu"))
-        # Normally t = update_index + 1; a jump (or a restart from 0) drops every slot it passes.
-        steps = t - self.update_index if t > self.update_index else 1
+        # Normally t = update_index + 1; a jump drops every slot it passes.
+        steps = t - self.update_index
         for s in range(max(t - min(steps, self.window) + 1, 1), t + 1):
             if self.ring[self._slot(s)].any():
                 self.counts -= self.row_counts(self._slot(s)).to(self.counts.device)
@@ -155,6 +159,18 @@ class RareTokenWindow(torch.nn.Module):
         first = self.update_index == 0 and self.recorded == 0
         self.update_index = t
         self.recorded = 1 if first else min(self.recorded + steps, self.window)
+
+    def _renumber(self, new: int):
+        """Commits the open update as update ``new`` (< update_index) and rotates the ring with it, so
+        that every finished update keeps its age and the oldest still leave first. fairseq restarts
+        the update number at 0 on ``--finetune-from-model``; the rows stay where
+        :func:`check_window_state` expects them."""
+        self.commit(self.current.to("cpu"))
+        shift = new - self.update_index
+        self.ring = torch.roll(self.ring, shift, 0)
+        self.overflow = {(slot + shift) % self.window: entry for slot, entry in self.overflow.items()}
+        self.current.zero_()
+        self.update_index = new
 
     def commit(self, finished: torch.Tensor):
         """Stores the finished update's counts (int64, CPU) in its ring row: 255 and above go to
@@ -201,7 +217,7 @@ class RareTokenWindow(torch.nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         if not any(prefix + k in state_dict for k in self._KEYS):
             return  # a checkpoint without counts (e.g. from a stock criterion): start fresh
-        window, update_index, recorded = check_window_state(state_dict, self.vocab_size, prefix)
+        window, update_index, recorded = check_window_state(state_dict, self.vocab_size, prefix, self.saved_after)
         configured_window = self.window  # this run's window flag (None: auto, the checkpoint's K stays)
         device = self.counts.device
         self.window = window
@@ -306,17 +322,17 @@ def _check_tensor(name: str, value, dtype: torch.dtype, shape: Optional[Tuple[in
         raise UsageError(f"{name} has negative entries ({int((value < 0).sum())} of {value.numel()})")
 
 
-def ring_totals(ring: torch.Tensor, overflow: Mapping) -> Tuple[torch.Tensor, int]:
-    """The exact column sums (int64) of a ring and its overflow rows, and its number of non-empty
-    rows, a few rows at a time: summing a ring at once makes an int64 copy of all of it."""
+def ring_totals(ring: torch.Tensor, overflow: Mapping) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The exact column sums (int64) of a ring and its overflow rows, and which rows are non-empty
+    (bool), a few rows at a time: summing a ring at once makes an int64 copy of all of it."""
     sums = torch.zeros(ring.size(1), dtype=torch.int64)
-    filled = 0
+    filled = []
     for rows in ring.split(64):
         sums += rows.sum(0)
-        filled += int(rows.ne(0).any(1).sum())
+        filled.append(rows.ne(0).any(1))
     for ids, counts in overflow.values():
         sums.index_add_(0, ids, counts - SATURATED)
-    return sums, filled
+    return sums, torch.cat(filled) if filled else torch.zeros(0, dtype=torch.bool)
 
 
 def _check_overflow(name: str, table, ring: torch.Tensor, ring_name: str):
@@ -341,17 +357,19 @@ def _check_vocabulary(name: str, size: int, vocab_size: int):
         raise UsageError(f"{name} counts a vocabulary of {size} tokens, the dictionary has {vocab_size}")
 
 
-def check_window_state(state_dict: Mapping, vocab_size: int, prefix: str = "") -> Tuple[int, int, int]:
+def check_window_state(state_dict: Mapping, vocab_size: int, prefix: str = "",
+                       saved_after: Optional[int] = None) -> Tuple[int, int, int]:
     """Checks a saved :class:`RareTokenWindow` (``ring``, ``overflow``, ``counts``, ``current``,
     ``meta`` under ``prefix``; or the int32 ``ring`` without ``overflow`` of earlier versions) against the dictionary and against itself; returns (window, update_index,
     recorded). Raises :class:`UsageError` naming the entry and the failed check.
 
     The checks are invariants of every state that :meth:`RareTokenWindow.start_update`,
     :meth:`~RareTokenWindow.resize` and loading leave: the running sum is the ring plus the open
-    update; the ring row of the open update is empty (``start_update`` clears it); at most
-    ``recorded - 1`` rows hold counts (the finished updates in the window); nothing is counted
-    before the first update. Which rows those are is not checked: an update number that goes back
-    (fairseq restarts it at 0 on ``--finetune-from-model``) leaves counts outside the newest span.
+    update; the ring row of the open update is empty (``start_update`` clears it); only the rows of
+    the ``recorded - 1`` updates before the open one hold counts (the finished updates in the
+    window; an update number that goes back renumbers them); nothing is counted before the first
+    update. ``saved_after``: the updates the checkpoint was saved after, which the open update
+    equals (or exceeds by one, after a skipped update such as an fp16 overflow).
     """
     int32_format = prefix + "ring" in state_dict and prefix + "overflow" not in state_dict and \
         getattr(state_dict[prefix + "ring"], "dtype", None) == torch.int32
@@ -373,7 +391,7 @@ def check_window_state(state_dict: Mapping, vocab_size: int, prefix: str = "") -
     if not int32_format:
         _check_overflow(overflow_name, entries["overflow"], ring, ring_name)
     ring, overflow = saved_ring(state_dict, prefix)
-    ring_sums, finished = ring_totals(ring, overflow)
+    ring_sums, filled = ring_totals(ring, overflow)
     if not torch.equal(counts, ring_sums + current):
         raise UsageError(f"{counts_name} is not the sum of {ring_name} and {current_name}")
     if recorded > window or (update_index == 0) != (recorded == 0):
@@ -383,14 +401,33 @@ def check_window_state(state_dict: Mapping, vocab_size: int, prefix: str = "") -
         if counts.any():
             raise UsageError(f"{counts_name} holds counts before the first update ({meta_name} says update 0)")
         return window, update_index, recorded
+    _check_filled_rows(filled, ring_name, meta_name, update_index, recorded)
+    if saved_after is not None and update_index not in (saved_after, saved_after + 1):
+        raise UsageError(f"{meta_name} says update {update_index}, but the checkpoint was saved after {saved_after} "
+                         f"updates (expected update {saved_after}, or {saved_after + 1} after a skipped update)")
+    return window, update_index, recorded
+
+
+def _check_filled_rows(filled: torch.Tensor, ring_name: str, meta_name: str, update_index: int, recorded: int):
+    """The non-empty rows of a ring (``filled``, bool) are rows of the ``recorded - 1`` finished
+    updates before the open ``update_index``, and the open update's row is empty."""
+    window = filled.numel()
     open_row = update_index % window
-    if ring[open_row].any():
+    if filled[open_row]:
         raise UsageError(f"row {open_row} of {ring_name}, the row of the update being counted (update "
                          f"{update_index} in {meta_name}), is not empty")
+    finished = int(filled.sum())
     if finished > recorded - 1:
         raise UsageError(f"{ring_name} holds {finished} finished updates, but {meta_name} says {recorded} updates "
                          f"recorded (the open one and at most {recorded - 1} finished)")
-    return window, update_index, recorded
+    held = torch.zeros(window, dtype=torch.bool)
+    held[(update_index - torch.arange(1, recorded)) % window] = True
+    stray = (filled & ~held).nonzero().flatten().tolist()
+    if stray:
+        span = (f"the rows of updates {update_index - recorded + 1} to {update_index - 1}" if recorded > 1
+                else "no row")
+        raise UsageError(f"row {stray[0]} of {ring_name} holds counts, but {meta_name} says update {update_index} "
+                         f"with {recorded} updates recorded: {span} (mod {window}) may hold finished counts")
 
 
 def check_cumulative_state(state_dict: Mapping, vocab_size: int, prefix: str = ""):

@@ -51,7 +51,7 @@ class EmbeddingStatsConfig(FairseqDataclass):
         default=None,
         metadata={
             "help": "fixed id ranges instead of fractions: wikitext103-official = "
-            "[0,13000), [13000,36000), [36000,V) (the official AGG evaluation); unset: "
+            "[0,13001), [13001,36000), [36000,V) (the official AGG evaluation); unset: "
             "--embed-group-fractions"
         },
     )
@@ -121,7 +121,9 @@ class EmbeddingStatsSettings:
     A statistics flag given (set to other than its default) where it has no effect is refused,
     naming it and ``--embed-stats-interval``: any of them while the statistics are off
     (``--embed-stats-interval`` 0 and no ``--embed-isotropy-interval``; the group definition is
-    also read by ``--agg-freeze-set group``), a TEV flag while only the isotropy is logged.
+    also read by ``--agg-freeze-set group``), a TEV flag while only the isotropy is logged, the
+    group definition (``--embed-group-fractions``, ``--embed-group-preset``) without
+    ``--embed-stats-groups`` (unless ``--agg-freeze-set group`` reads it).
     """
 
     def __init__(self, cfg=None, **flags):
@@ -164,12 +166,21 @@ class EmbeddingStatsSettings:
             why = ("(it changes TEV) while --embed-stats-interval is 0 "
                    f"(only isotropy, every {self.iso_interval} updates)")
         else:
-            return
+            names, why = (), ""
+        self._refuse_given(values, names, why, "--embed-stats-interval N > 0")
+        if self.enabled and not self.groups and not _freezes_a_static_group(cfg):
+            # the groups are read only by the per-group statistics (and AGG's group freezing)
+            self._refuse_given(values, GROUP_DEFINITION_FLAGS,
+                               "without --embed-stats-groups (no statistic is split by frequency group)",
+                               "--embed-stats-groups")
+
+    def _refuse_given(self, values, names, why, needed):
+        """Refuses the first of ``names`` that was given: it has no effect ``why`` unless ``needed``."""
         for name in names:
             value = values[name]
             if self._given(name, value):
                 shown = flag_name(name) if isinstance(value, bool) else f"{flag_name(name)} {plain_value(value)}"
-                raise UsageError(f"{shown} has no effect {why}: give --embed-stats-interval N > 0 too, or leave it out")
+                raise UsageError(f"{shown} has no effect {why}: give {needed} too, or leave it out")
 
     def _given(self, name, value) -> bool:
         """Whether a flag differs from its default, i.e. the user gave it."""

@@ -11,8 +11,9 @@ Groups (names ``freq``, ``med``, ``rare``):
 * by fractions (default 30 % / 50 % / 20 %, the split of Yu et al. 2022, Table 1) of the
   *eligible* types, i.e. the non-special, non-``madeupword`` ones in dictionary order; the
   boundaries are ``round(f1·n)`` and ``round((f1+f2)·n)`` for n eligible types;
-* preset ``wikitext103-official``: the id ranges [0, 13000), [13000, 36000), [36000, V) of the
-  authors' released WikiText-103 evaluation, specials included, to reproduce it exactly.
+* preset ``wikitext103-official``: the id ranges [0, 13001), [13001, 36000), [36000, V) of the
+  authors' released WikiText-103 evaluation (their eval_lm.py: ids <= 13000 frequent, ids >= 36000
+  rare), specials included, to reproduce it exactly.
 
 Row policies for matrix statistics: ``all``; ``no-pad-madeup`` (default: drops the zero-initialised
 padding row and the ``madeupword`` rows); ``no-special`` (also drops every special symbol).
@@ -30,8 +31,8 @@ from fairseq_agg.fairseq_facts.dictionary import madeupword_ids, nspecial, pad_i
 
 GROUP_NAMES = ("freq", "med", "rare")
 DEFAULT_FRACTIONS = (0.3, 0.5, 0.2)
-# preset name -> (first medium id, first rare id)
-PRESETS = {"wikitext103-official": (13000, 36000)}
+# preset name -> (first medium id, first rare id); the authors' eval_lm.py counts id 13000 as frequent
+PRESETS = {"wikitext103-official": (13001, 36000)}
 ROW_POLICIES = ("all", "no-pad-madeup", "no-special")
 
 
