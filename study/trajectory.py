@@ -14,7 +14,8 @@ ends inside an epoch adds its last checkpoint.
 The JSON holds one point per checkpoint, in the order of its updates; it is small, so a study
 keeps it beside its results (docs/data/) when the run directory, with its checkpoints, goes.
 ``--figure`` draws I(W) and the test PPL against updates, one line per trajectory, and the ends of
-shorter runs of the same methods (``--endpoints``: {run name: [[updates, I(W), test PPL], ...]})
+shorter runs of the same methods (``--endpoints``: {run name: [[updates, I(W), test PPL], ...]}; keys
+starting with "_" are notes)
 beside them as open markers.
 """
 import argparse
@@ -95,6 +96,7 @@ def plot(trajectories: List[dict], endpoints: Dict[str, list], path):
     from fairseq_agg.files import atomic_output
     from study.tail_report import tail_styles
 
+    endpoints = {name: ends for name, ends in endpoints.items() if not name.startswith("_")}  # "_about": notes
     names = list(dict.fromkeys([t["name"] for t in trajectories] + list(endpoints)))
     colour = {n: style["color"] for n, style in tail_styles(names).items()}  # as in the part's other figures
     fig, axes = pyplot().subplots(1, 2, figsize=(10, 3.8))

@@ -67,6 +67,12 @@ def expected_stats(W, dictionary, groups=False, iso=True, suffix=""):
         t = tev_stats(W, rows)
         out.update({"tev_mu" + sfx: t["mu"], "tev_sigma" + sfx: t["sigma"], "tev_mu_over_init" + sfx: t["mu_over_init"]})
         out["mean_cos" + sfx] = mean_pairwise_cosine(W, rows)
+        if not gsfx:  # the drift along the mean direction, by its formula: halves in dictionary order
+            X = W[rows].double()
+            mean = X.mean(0)
+            proj, half = X @ (mean / mean.norm()), (rows.numel() + 1) // 2
+            out.update({"mean_norm_share" + sfx: (mean.norm() / X.norm(dim=1).mean()).item(),
+                        "drift_frequent" + sfx: proj[:half].mean().item(), "drift_rare" + sfx: proj[half:].mean().item()})
         if iso:
             r = isotropy(W, rows)
             out.update({k + sfx: r[k] for k in ("isotropy", "isotropy_raw", "isotropy_fixed")})

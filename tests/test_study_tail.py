@@ -618,7 +618,7 @@ def test_a_trajectory_measures_every_epoch_end_as_the_runs_evaluation_does(lm_da
     assert points[0]["test_ppl"] > points[-1]["test_ppl"]  # training lowered it
 
     endpoints = tmp_path / "ends.json"
-    endpoints.write_text(json.dumps({"baseline": [[8, 0.5, 300.0]], "agg-pu": [[16, 0.6, 280.0]]}))
+    endpoints.write_text(json.dumps({"_about": "a note", "baseline": [[8, 0.5, 300.0]], "agg-pu": [[16, 0.6, 280.0]]}))
     figure = tmp_path / "trajectory.png"
     assert TJ.main(["--figure", str(figure), str(run / TJ.TRAJECTORY_JSON), "--endpoints", str(endpoints)]) == 0
     assert figure.read_bytes()[:8] == PNG_MAGIC

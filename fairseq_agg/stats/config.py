@@ -21,8 +21,9 @@ class EmbeddingStatsConfig(FairseqDataclass):
     embed_stats_interval: int = field(
         default=0,
         metadata={
-            "help": "log TEV (tev_mu, tev_sigma, tev_mu_over_init) and the mean pairwise cosine "
-            "(mean_cos) of the token embeddings every N updates and at every validation "
+            "help": "log TEV (tev_mu, tev_sigma, tev_mu_over_init), the mean pairwise cosine "
+            "(mean_cos) and the drift along the rows' mean direction (mean_norm_share, drift_frequent, "
+            "drift_rare) of the token embeddings every N updates and at every validation "
             "(0 = off; 100 is a good value)"
         },
     )

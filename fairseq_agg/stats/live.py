@@ -32,7 +32,10 @@ validation pass: the pass's aggregator is marked by a hidden ``_embed_stats`` me
 10 × ``--embed-stats-interval``. Off (the default) costs one attribute test per forward.
 
 Log keys: ``tev_mu``, ``tev_sigma``, ``tev_mu_over_init`` (µTEV / d^-½, fairseq's init std),
-``mean_cos`` (every ``--embed-stats-interval``), ``isotropy`` (sign-symmetric), ``isotropy_raw``,
+``mean_cos`` and, where the dictionary gives the frequency order, the drift along the rows' mean
+direction ``mean_norm_share``, ``drift_frequent``, ``drift_rare`` (all rows only; metrics.
+mean_direction_drift, without its centred I(W)) (every ``--embed-stats-interval``),
+``isotropy`` (sign-symmetric), ``isotropy_raw``,
 ``isotropy_fixed`` (every ``--embed-isotropy-interval``), and with ``--tev-effective``
 ``tev_mu_eff``, ``tev_sigma_eff`` (TEV × ``embed_scale`` of input embeddings). With several
 distinct matrices every key gets a matrix suffix ``_enc`` / ``_dec`` / ``_out``; with
@@ -53,7 +56,7 @@ from fairseq_agg.fairseq_facts.training_loop import TrainingLoop
 from . import groups as G
 from .config import EmbeddingStatsSettings
 from .matrices import MatrixRows, dictionary_for, embedding_matrices, matrix_rows, task_dictionaries
-from .metrics import ISOTROPY_FORMS, isotropy, mean_pairwise_cosine, tev_stats
+from .metrics import ISOTROPY_FORMS, isotropy, mean_direction_drift, mean_pairwise_cosine, tev_stats
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +67,7 @@ PRIORITY = 1000
 
 _KEY_RE = re.compile(
     r"^(tev_mu|tev_sigma|tev_mu_over_init|tev_mu_eff|tev_sigma_eff|mean_cos|isotropy|isotropy_raw|"
-    r"isotropy_fixed)(_(enc|dec|out))?(_(freq|med|rare))?$"
+    r"isotropy_fixed|mean_norm_share|drift_frequent|drift_rare)(_(enc|dec|out))?(_(freq|med|rare))?$"
 )
 
 
@@ -85,8 +88,9 @@ def _tev_values(W, rows, init_std, effective_scale):
     return values
 
 
-def _row_set_jobs(W, tev_rows, iso_rows, settings, effective_scale, tev, iso):
-    """``(keys, measure)`` of one row set, in log order; ``measure()`` returns the keys' values."""
+def _row_set_jobs(W, tev_rows, iso_rows, settings, effective_scale, tev, iso, drift=False):
+    """``(keys, measure)`` of one row set, in log order; ``measure()`` returns the keys' values;
+    ``drift``: also the rows' drift along their mean direction (rows in frequency order)."""
     jobs = []
     if tev and tev_rows.numel() > 0:
         keys = ["tev_mu", "tev_sigma", "tev_mu_over_init"]
@@ -95,9 +99,17 @@ def _row_set_jobs(W, tev_rows, iso_rows, settings, effective_scale, tev, iso):
         jobs.append((keys, lambda: _tev_values(W, tev_rows, settings.init_std, effective_scale)))
     if tev and iso_rows.numel() > 1:
         jobs.append((["mean_cos"], lambda: [mean_pairwise_cosine(W, iso_rows)]))
+    if tev and drift and iso_rows.numel() > 1:
+        drift_keys = ["mean_norm_share", "drift_frequent", "drift_rare"]
+        jobs.append((drift_keys, lambda: [_nan_if_none(mean_direction_drift(W, iso_rows, centred=False)[k])
+                                          for k in drift_keys]))
     if iso and iso_rows.numel() > 0:
         jobs.append((list(ISOTROPY_FORMS), lambda: [isotropy(W, iso_rows)[k] for k in ISOTROPY_FORMS]))
     return jobs
+
+
+def _nan_if_none(value):
+    return float("nan") if value is None else value
 
 
 def _rows_on(rows: MatrixRows, device) -> MatrixRows:
@@ -105,7 +117,8 @@ def _rows_on(rows: MatrixRows, device) -> MatrixRows:
 
 
 def _matrix_rows(mat, dictionary, settings, device):
-    """(TEV rows, isotropy / mean_cos rows) of one matrix, on ``device``."""
+    """(TEV rows, isotropy / mean_cos rows, whether the rows are in frequency order: a dictionary's)
+    of one matrix, on ``device``."""
     num_rows = mat.weight.size(0)
     dictionary = dictionary_for(dictionary, num_rows)
     groups = None
@@ -113,7 +126,7 @@ def _matrix_rows(mat, dictionary, settings, device):
         groups = G.frequency_groups(dictionary, settings.fractions, settings.preset)
     tev = matrix_rows(dictionary, num_rows, settings.tev_row_policy, settings.exclude_unseen, groups, mat.padding_idx)
     iso = matrix_rows(dictionary, num_rows, settings.iso_rows, False, groups, mat.padding_idx)
-    return _rows_on(tev, device), _rows_on(iso, device)
+    return _rows_on(tev, device), _rows_on(iso, device), dictionary is not None
 
 
 def compute_embedding_stats(
@@ -134,7 +147,7 @@ def compute_embedding_stats(
         key = (mat.name, tuple(W.shape), W.device)
         if key not in cache:
             cache[key] = _matrix_rows(mat, dictionaries.get(mat.name), settings, W.device)
-        tev_rows, iso_rows = cache[key]
+        tev_rows, iso_rows, frequency_order = cache[key]
         matrix_suffix = f"_{mat.name}" if len(mats) > 1 else ""
         effective_scale = mat.embed_scale if settings.effective and mat.role == "input" else None
         parts = [("", tev_rows.all, iso_rows.all)]
@@ -142,7 +155,8 @@ def compute_embedding_stats(
         # the statistics choose their own precision (fp32 / fp64), also under --fp16 / --amp
         with torch.autocast(device_type=W.device.type, enabled=False):
             for group_suffix, part_tev, part_iso in parts:
-                for keys, job in _row_set_jobs(W, part_tev, part_iso, settings, effective_scale, tev, iso):
+                drift = frequency_order and not group_suffix  # halves of the whole vocabulary
+                for keys, job in _row_set_jobs(W, part_tev, part_iso, settings, effective_scale, tev, iso, drift):
                     values = job() if measure else [0.0] * len(keys)
                     out.update((k + matrix_suffix + group_suffix, v) for k, v in zip(keys, values))
     return out

@@ -262,7 +262,8 @@ DRIFT_KEYS = ("mean_norm_share", "drift_frequent", "drift_rare", "drift_frequent
 
 @torch.no_grad()
 def mean_direction_drift(
-    W: torch.Tensor, rows: Optional[torch.Tensor] = None, chunk_rows: int = DEFAULT_CHUNK_ROWS
+    W: torch.Tensor, rows: Optional[torch.Tensor] = None, chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    centred: bool = True,
 ) -> Dict[str, Optional[float]]:
     """The rows' drift along their common mean (docs/stats.md, "Drift along the mean direction").
 
@@ -270,8 +271,8 @@ def mean_direction_drift(
     frequency order) and u = m / ‖m‖: ``mean_norm_share`` = ‖m‖ / mean_i ‖w_i‖; ``drift_frequent``
     and ``drift_rare`` = the mean of w_iᵀu over the first ⌈n/2⌉ and the last ⌊n/2⌋ rows, and
     ``*_share`` each divided by its half's mean ‖w_i‖; ``isotropy_centred`` = the sign-symmetric
-    I(W) of the rows w_i − m. float64. ``None`` where undefined (fewer than two rows, m = 0, a
-    half of zero rows).
+    I(W) of the rows w_i − m (left out, None, with ``centred=False``: it costs an eigendecomposition,
+    the rest O(V·d)). float64. ``None`` where undefined (fewer than two rows, m = 0, a half of zero rows).
     """
     _check_matrix(W)
     rows = _as_rows(W, rows)
@@ -296,6 +297,8 @@ def mean_direction_drift(
             out[f"drift_{name}"] = proj[part].mean().item()
             if norms[part].mean() > 0:
                 out[f"drift_{name}_share"] = (proj[part].mean() / norms[part].mean()).item()
+    if not centred:
+        return out
     selected = W if rows is None else W.index_select(0, rows)
     # the centred copy in W's own precision (float32 at most for a low-precision W): isotropy
     # upcasts it chunk by chunk
