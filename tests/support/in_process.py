@@ -15,6 +15,7 @@ fresh process are tested too.
 import contextlib
 import dataclasses
 import io
+import logging
 import sys
 
 
@@ -38,8 +39,12 @@ def run_in_process(prog, entry, argv):
     """Runs ``entry()`` (a console script's function, which reads ``sys.argv``) as ``PROG ARGV``."""
     argv = [str(a) for a in argv]
     out, err = io.StringIO(), io.StringIO()
-    saved_argv = sys.argv
+    saved_argv, saved_raise = sys.argv, logging.raiseExceptions
     sys.argv = [prog, *argv]
+    # a logging handler an earlier test left on a stream that is gone (pytest's captured stderr
+    # of an in-process command) must not print "--- Logging error ---" here: in a fresh process
+    # no such handler exists
+    logging.raiseExceptions = False
     status = 0
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -56,7 +61,7 @@ def run_in_process(prog, entry, argv):
                 except SystemExit as hook_exit:
                     status = _exit_status(hook_exit.code)
     finally:
-        sys.argv = saved_argv
+        sys.argv, logging.raiseExceptions = saved_argv, saved_raise
     return Outcome([prog, *argv], status, out.getvalue(), err.getvalue())
 
 
