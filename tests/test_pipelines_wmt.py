@@ -173,7 +173,7 @@ def test_train_sh_methods_and_hyperparameters(recipe):
         assert flag in agg, flag
     # fairseq flags after -- come last, so that they win over the recipe's values
     assert agg.rstrip().endswith("--max-update 7")
-    assert ("--fp16" in agg) == torch.cuda.is_available()
+    assert "--fp16" in agg  # a dry run prints the recipe's precision, for the machine it is meant for
     assert "tokens per update = GPUs x --max-tokens x --update-freq = 1 x 8192 x 8 = 65536" in proc.stderr
     base = run_script(recipe("train.sh"), ["baseline"], env=env).stdout
     assert "--criterion label_smoothed_cross_entropy " in base and "--arch transformer_wmt_en_de " in base
