@@ -21,7 +21,7 @@ from typing import Dict, List, Optional
 from examples.demo_common import markdown_table, save_study_figure, seed_band, write_json
 from examples.lm_demo.wordsim import DATASETS
 from fairseq_agg.analysis.plots import pyplot
-from study.figure_style import OKABE_ITO, group_bars, log_ticks, method_styles  # OKABE_ITO: study/trajectory.py
+from study.figure_style import group_bars, log_ticks, method_styles
 from study.metrics import compare_to_baseline, convergence, resolvable_difference, spearman_interval
 from study.report import metric, over_seeds, summarise, train_cross_entropy
 from study.tail import GROUPINGS, PAPER_TYPES

@@ -26,6 +26,7 @@ import sys
 import tempfile
 from typing import Dict, List
 
+from fairseq_agg.fairseq_facts.checkpoint_files import checkpoint_updates
 from study import store
 from study.tail import GROUPINGS, group_perplexities, quiet_known_warnings
 
@@ -42,15 +43,9 @@ def epoch_checkpoints(directory) -> List[str]:
                    for m in [EPOCH_CHECKPOINT.fullmatch(name)] if m)
     paths = [os.path.join(directory, name) for _, name in found]
     last = os.path.join(directory, store.LAST_CHECKPOINT)
-    if os.path.isfile(last) and (not paths or _updates(last) > _updates(paths[-1])):
+    if os.path.isfile(last) and (not paths or checkpoint_updates(last) > checkpoint_updates(paths[-1])):
         paths.append(last)
     return paths
-
-
-def _updates(path):
-    from fairseq_agg.fairseq_facts.checkpoint_files import checkpoint_updates
-
-    return checkpoint_updates(path)
 
 
 def measure(checkpoint, data_bin, context_window) -> dict:

@@ -303,6 +303,6 @@ def mean_direction_drift(
     # the centred copy in W's own precision (float32 at most for a low-precision W): isotropy
     # upcasts it chunk by chunk
     dtype = torch.promote_types(selected.dtype, torch.float32)
-    centred = selected.to(dtype) - mean.to(dtype)
-    out["isotropy_centred"] = isotropy(centred, chunk_rows=chunk_rows)["isotropy"]
+    offset_free = selected.to(dtype) - mean.to(dtype)
+    out["isotropy_centred"] = isotropy(offset_free, chunk_rows=chunk_rows)["isotropy"]
     return out
