@@ -141,7 +141,7 @@ def bench_training(updates, repeats, threads, max_tokens=1024):
             "--optimizer", "adam", "--lr", "0.001", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100",
             "--dropout", "0.1", "--seed", "1", "--cpu", "--num-workers", "0", "--log-interval", "100",
             "--no-progress-bar", "--max-update", str(updates), "--no-save",
-            "--user-dir", os.path.join(ROOT, "fairseq_agg"),
+            "--user-dir", os.path.join(ROOT, "fairseq_agg_plugin"),
             "--criterion", "cross_entropy_with_stats",
         ]
         variants = {"off": [], "stats": ["--embed-stats-interval", "100"]}
