@@ -51,26 +51,13 @@ def spm_train(inputs, model_prefix, vocab_size, model_type="bpe", character_cove
     # Sentence sampling and shuffling use this generator: a fixed seed gives the same model.
     spm.set_random_generator_seed(seed)
     # Without a bound, sentencepiece loads every line; large WMT/WikiText corpora are sampled.
+    # fairseq adds its own bos/eos/pad: sentencepiece's ids are never used, only the pieces
     spm.SentencePieceTrainer.train(
-        input=",".join(inputs),
-        model_prefix=model_prefix,
-        vocab_size=vocab_size,
-        model_type=model_type,
-        character_coverage=character_coverage,
-        input_sentence_size=max_sentences,
-        shuffle_input_sentence=True,
-        seed_sentencepiece_size=1_000_000,
-        num_threads=threads or min(os.cpu_count() or 1, 16),
-        user_defined_symbols=list(user_symbols),
-        hard_vocab_limit=hard_vocab_limit,
-        # fairseq adds its own bos/eos/pad; sentencepiece's ids are never used, only the pieces.
-        bos_id=-1,
-        eos_id=-1,
-        pad_id=-1,
-        unk_id=0,
-        unk_piece="<spm_unk>",
-        minloglevel=2,
-    )
+        input=",".join(inputs), model_prefix=model_prefix, vocab_size=vocab_size, model_type=model_type,
+        character_coverage=character_coverage, input_sentence_size=max_sentences, shuffle_input_sentence=True,
+        seed_sentencepiece_size=1_000_000, num_threads=threads or min(os.cpu_count() or 1, 16),
+        user_defined_symbols=list(user_symbols), hard_vocab_limit=hard_vocab_limit,
+        bos_id=-1, eos_id=-1, pad_id=-1, unk_id=0, unk_piece="<spm_unk>", minloglevel=2)
     return model_prefix + ".model"
 
 
@@ -380,102 +367,78 @@ def _remove(path):
         os.remove(path)
 
 
-def main(argv=None):
+def _clean_corpus_command(a):
+    if a.min_len < 1 or a.max_len < a.min_len:
+        _die(f"--min-len/--max-len must satisfy 1 <= min <= max, got {a.min_len}/{a.max_len}")
+    if a.ratio < 1:
+        _die(f"--ratio must be >= 1, got {a.ratio}")
+    kept, total = clean_corpus(a.src, a.tgt, a.out_src, a.out_tgt, a.min_len, a.max_len, a.ratio)
+    print(f"clean-corpus: kept {kept} of {total} pairs", file=sys.stderr)
+
+
+def _hyp_from_generate_command(a):
+    with _open(a.output, "w") as f:
+        for line in read_generate(a.input, a.prefix):
+            f.write(line + "\n")
+
+
+_REQUIRED, _FILES = {"required": True}, {"nargs": "+", "required": True}
+_STREAMS = (("--input", {"default": "-"}), ("--output", {"default": "-"}))
+_GPT2_FILES = (("--encoder-json", dict(_REQUIRED, help="GPT-2's encoder.json (token -> id)")),
+               ("--vocab-bpe", dict(_REQUIRED, help="GPT-2's vocab.bpe (the merges, in order)")))
+# command: (what it runs with the parsed flags, its flags in order: (name, argparse's keywords))
+COMMANDS = {
+    "spm-train": (lambda a: spm_train(a.inputs, a.model_prefix, a.vocab_size, a.model_type, a.character_coverage,
+                                      a.max_sentences, a.seed, a.user_symbols, hard_vocab_limit=not a.soft_vocab_limit),
+                  (("--inputs", _FILES), ("--model-prefix", _REQUIRED), ("--vocab-size", dict(_REQUIRED, type=int)),
+                   ("--model-type", {"default": "bpe", "choices": ["bpe", "unigram", "char", "word"]}),
+                   ("--character-coverage", {"type": float, "default": 1.0}),
+                   ("--max-sentences", {"type": int, "default": 10_000_000}),
+                   ("--user-symbols", {"nargs": "*", "default": []}),
+                   ("--soft-vocab-limit", {"action": "store_true", "help": "allow a smaller vocabulary when the "
+                                                                   "corpus is too small (fixtures)"}),
+                   ("--seed", {"type": int, "default": 1}))),
+    "spm-encode": (lambda a: spm_encode(a.model, a.inputs, a.outputs),
+                   (("--model", _REQUIRED), ("--inputs", _FILES), ("--outputs", _FILES))),
+    "spm-decode": (lambda a: spm_decode(a.model, a.input, a.output), (("--model", _REQUIRED), *_STREAMS)),
+    "clean-corpus": (_clean_corpus_command,
+                     (("--src", _REQUIRED), ("--tgt", _REQUIRED), ("--out-src", _REQUIRED), ("--out-tgt", _REQUIRED),
+                      ("--min-len", {"type": int, "default": 1}), ("--max-len", {"type": int, "default": 250}),
+                      ("--ratio", {"type": float, "default": 1.5}))),
+    "wikitext-detok": (lambda a: wikitext_detok(a.input, a.output), _STREAMS),
+    "gpt2-check": (lambda a: gpt2_encoder(a.encoder_json, a.vocab_bpe),
+                   (("--encoder-json", _REQUIRED), ("--vocab-bpe", _REQUIRED))),
+    "gpt2-encode": (lambda a: gpt2_encode(a.encoder_json, a.vocab_bpe, a.inputs, a.outputs, a.workers),
+                    (*_GPT2_FILES, ("--inputs", _FILES), ("--outputs", _FILES),
+                     ("--workers", {"type": int, "default": 1}))),
+    "hyp-from-generate": (_hyp_from_generate_command,
+                          (("--input", _REQUIRED), ("--output", {"default": "-"}),
+                           ("--prefix", {"default": "H", "choices": ["H", "T", "S", "D"]}))),
+    "compound-split": (lambda a: compound_split(a.input, a.output, a.lang),
+                       (*_STREAMS, ("--lang", {"default": "de"}))),
+    "download": (lambda a: download(a.url, a.output, a.user_agent, local_flag=a.local_flag),
+                 (("--url", _REQUIRED), ("--output", _REQUIRED),
+                  ("--user-agent", {"default": None, "help": "default: fairseq-agg/VERSION"}),
+                  ("--local-flag", {"default": "--raw-dir",
+                                    "help": "the recipe's flag for a local copy, named on failure"}))),
+}
+
+
+def build_parser():
+    """textprep.py's parser: one subcommand per entry of :data:`COMMANDS`."""
     p = argparse.ArgumentParser(prog="textprep.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
+    for name, (_, flags) in COMMANDS.items():
+        command = sub.add_parser(name)
+        for flag, keywords in flags:
+            command.add_argument(flag, **keywords)
+    return p
 
-    t = sub.add_parser("spm-train")
-    t.add_argument("--inputs", nargs="+", required=True)
-    t.add_argument("--model-prefix", required=True)
-    t.add_argument("--vocab-size", type=int, required=True)
-    t.add_argument("--model-type", default="bpe", choices=["bpe", "unigram", "char", "word"])
-    t.add_argument("--character-coverage", type=float, default=1.0)
-    t.add_argument("--max-sentences", type=int, default=10_000_000)
-    t.add_argument("--user-symbols", nargs="*", default=[])
-    t.add_argument("--soft-vocab-limit", action="store_true",
-                   help="allow a smaller vocabulary when the corpus is too small (fixtures)")
-    t.add_argument("--seed", type=int, default=1)
 
-    e = sub.add_parser("spm-encode")
-    e.add_argument("--model", required=True)
-    e.add_argument("--inputs", nargs="+", required=True)
-    e.add_argument("--outputs", nargs="+", required=True)
-
-    d = sub.add_parser("spm-decode")
-    d.add_argument("--model", required=True)
-    d.add_argument("--input", default="-")
-    d.add_argument("--output", default="-")
-
-    c = sub.add_parser("clean-corpus")
-    c.add_argument("--src", required=True)
-    c.add_argument("--tgt", required=True)
-    c.add_argument("--out-src", required=True)
-    c.add_argument("--out-tgt", required=True)
-    c.add_argument("--min-len", type=int, default=1)
-    c.add_argument("--max-len", type=int, default=250)
-    c.add_argument("--ratio", type=float, default=1.5)
-
-    w = sub.add_parser("wikitext-detok")
-    w.add_argument("--input", default="-")
-    w.add_argument("--output", default="-")
-
-    k = sub.add_parser("gpt2-check")
-    k.add_argument("--encoder-json", required=True)
-    k.add_argument("--vocab-bpe", required=True)
-
-    b = sub.add_parser("gpt2-encode")
-    b.add_argument("--encoder-json", required=True, help="GPT-2's encoder.json (token -> id)")
-    b.add_argument("--vocab-bpe", required=True, help="GPT-2's vocab.bpe (the merges, in order)")
-    b.add_argument("--inputs", nargs="+", required=True)
-    b.add_argument("--outputs", nargs="+", required=True)
-    b.add_argument("--workers", type=int, default=1)
-
-    g = sub.add_parser("hyp-from-generate")
-    g.add_argument("--input", required=True)
-    g.add_argument("--output", default="-")
-    g.add_argument("--prefix", default="H", choices=["H", "T", "S", "D"])
-
-    s = sub.add_parser("compound-split")
-    s.add_argument("--input", default="-")
-    s.add_argument("--output", default="-")
-    s.add_argument("--lang", default="de")
-
-    f = sub.add_parser("download")
-    f.add_argument("--url", required=True)
-    f.add_argument("--output", required=True)
-    f.add_argument("--user-agent", default=None, help="default: fairseq-agg/VERSION")
-    f.add_argument("--local-flag", default="--raw-dir", help="the recipe's flag for a local copy, named on failure")
-
-    a = p.parse_args(argv)
-    if a.cmd == "spm-train":
-        spm_train(a.inputs, a.model_prefix, a.vocab_size, a.model_type, a.character_coverage,
-                  a.max_sentences, a.seed, a.user_symbols, hard_vocab_limit=not a.soft_vocab_limit)
-    elif a.cmd == "spm-encode":
-        spm_encode(a.model, a.inputs, a.outputs)
-    elif a.cmd == "spm-decode":
-        spm_decode(a.model, a.input, a.output)
-    elif a.cmd == "clean-corpus":
-        if a.min_len < 1 or a.max_len < a.min_len:
-            _die(f"--min-len/--max-len must satisfy 1 <= min <= max, got {a.min_len}/{a.max_len}")
-        if a.ratio < 1:
-            _die(f"--ratio must be >= 1, got {a.ratio}")
-        kept, total = clean_corpus(a.src, a.tgt, a.out_src, a.out_tgt, a.min_len, a.max_len, a.ratio)
-        print(f"clean-corpus: kept {kept} of {total} pairs", file=sys.stderr)
-    elif a.cmd == "wikitext-detok":
-        wikitext_detok(a.input, a.output)
-    elif a.cmd == "gpt2-check":
-        gpt2_encoder(a.encoder_json, a.vocab_bpe)
-    elif a.cmd == "gpt2-encode":
-        gpt2_encode(a.encoder_json, a.vocab_bpe, a.inputs, a.outputs, a.workers)
-    elif a.cmd == "hyp-from-generate":
-        with _open(a.output, "w") as f:
-            for line in read_generate(a.input, a.prefix):
-                f.write(line + "\n")
-    elif a.cmd == "compound-split":
-        compound_split(a.input, a.output, a.lang)
-    elif a.cmd == "download":
-        download(a.url, a.output, a.user_agent, local_flag=a.local_flag)
+def main(argv=None):
+    a = build_parser().parse_args(argv)
+    COMMANDS[a.cmd][0](a)
     return 0
 
 

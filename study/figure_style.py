@@ -1,6 +1,6 @@
-"""What the study's figures share (study/report.py, study/tail_report.py): one style per run for a
-whole part, error bars only where there are seeds to span, labelled ticks on log axes, and
-labels and coinciding points that stay readable.
+"""What the study's figures share (study/report_figures.py, study/tail_figures.py,
+study/trajectory.py): one style per run for a whole part, error bars only where there are seeds
+to span, labelled ticks on log axes, and labels and coinciding points that stay readable.
 
 * :func:`method_styles`: the registry. Every run of a part gets one colour (Okabe & Ito, 2008,
   "Color Universal Design": distinguishable with the common colour-vision deficiencies), marker and

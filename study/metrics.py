@@ -2,14 +2,14 @@
 definitions are in docs/study.md; each has a test with hand-computed values in tests/test_study.py).
 
 * :func:`valid_curve` - (update, value) points of fairseq's ``valid`` lines (``train_inner``
-  lines: :func:`examples.demo_common.train_curve`);
+  lines: :func:`study.harness.fairseq_logs.train_curve`);
 * :func:`resumed_log` - the log of a run trained in several attempts as if trained in one;
 * :func:`convergence` - the relative change of a curve over the last part of training;
 * :func:`count_spikes` - values above k x the median of the previous w points (loss and gnorm);
 * :func:`unique_tokens` - the AGG paper's "Uniq" of a set of continuations;
 * :func:`group_shares` - the share of tokens in each frequency group (MT hypotheses vs references);
 * :func:`compare_to_baseline` - whether a method's difference to the baseline exceeds the spread
-  over seeds (mean ± half the range, :func:`examples.demo_common.mean_spread`);
+  over seeds (mean ± half the range, :func:`study.harness.tables.mean_spread`);
 * :func:`spearman_interval`, :func:`resolvable_difference` - what a word-similarity rho over n pairs
   can tell apart (Fisher z).
 """
@@ -18,7 +18,7 @@ import re
 import statistics
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from examples.demo_common import mean_spread
+from study.harness.tables import mean_spread
 
 Points = List[Tuple[int, float]]
 

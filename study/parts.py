@@ -1,7 +1,8 @@
 """The study's parts, each described by a :class:`Part` in :data:`PARTS`: its corpus, its runs
 (a method, model and budget each) and their fairseq-train commands, built from the demos' public
 tables and ``train_command`` (study/corpora.py), how a run is evaluated, and what its report
-holds. run.py and report.py ask the Part; nothing compares a part's name.
+holds: its table and its report's sections in order (study/report.py). run.py and report.py ask
+the Part; nothing compares a part's name.
 
 A part's runs all share the corpus's data, shared training flags and budget; a run changes only
 what it is about (the criterion and its flags, the optimizer, the depth, the tying of the
@@ -15,10 +16,13 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from examples.lm_demo import run as lm_demo
 from examples.mt_demo import run as mt_demo
+from study import columns as C
 from study import evaluate as E
 from study import report as R
 from study import tail as T
+from study import tail_budget as TB
 from study import tail_report as TR
+from study import tail_tables as TT
 from study.corpora import LM, MT, TAIL, Corpus
 
 BUDGETS = ("smoke", "default")
@@ -173,21 +177,17 @@ class Part:
     log_lines: int  # about this many train_inner lines per run
     # (ctx, spec, budget, run dir, checkpoint, log lines) -> result.json's "metrics" (study/evaluate.py)
     evaluate: Callable
-    columns: Callable  # (metric getter, results, spike settings) -> its table's columns (report.py)
+    columns: Callable  # (metric getter, results, spike settings) -> its table's columns (study/columns.py)
     notes: str  # the legend under its table
     one_seed_runs: Tuple[str, ...] = ()  # runs trained on the first seed only
-    uniq: bool = False  # Uniq of greedy continuations (an evaluation setting; the headline, a report line)
-    word_similarity: bool = False  # the report's line of scored word-similarity pairs
+    uniq: bool = False  # Uniq of greedy continuations (an evaluation setting; in the console's line of a run)
     groupings: Optional[dict] = None  # frequency groupings its test PPL is scored under (an evaluation setting)
-    convergence: bool = False  # the report's convergence line of the baseline
-    group_ppl: bool = False  # the figure of test PPL per frequency group
-    projections: bool = False  # the figure of the embedding projections (from the checkpoints)
-    frontier: bool = False  # the figure of test PPL against I(W) along AGG's alpha sweep
-    by_depth: bool = False  # runs compared with the baseline of their depth; spikes, µTEV, the by-depth figure
-    tables: Optional[Callable] = None  # (headers, rows) -> its own markdown tables, else one table
-    # its own report section: (summary, names, by_name, results, planned runs, jobs, the corpus's data
-    # report, out dir) -> (lines, figures including its own learning curves, results.json entries)
-    section: Optional[Callable] = None
+    # runs compared with the baseline of their depth, drawn in their method's style; µTEV in the console
+    by_depth: bool = False
+    tables: Callable = R.one_table  # (headers, rows) -> the markdown lines of its table(s)
+    # its report after the table, section by section in this order (study/report.py): each
+    # (report.Report) -> report.Section, its lines of table.md, figures and results.json entries
+    report: Tuple[Callable, ...] = ()
     # its comparison with another budget's runs (--compare-budget): (part, results, the other budget's
     # results, work dir, the other work dir, out dir) -> the path of what it wrote
     budget_comparison: Optional[Callable] = None
@@ -268,20 +268,24 @@ TAIL_ONE_SEED = ("agg-a0.09", "agg-a0.01", "cosreg", "face", "ul", "al", "agg+co
 
 PARTS = {p.name: p for p in (
     Part("lm", LM, lm_runs, BUDGET["lm"], seeds=(1, 2, 3), log_lines=20, evaluate=E.evaluate_lm,
-         columns=R.lm_columns, notes=R.LM_NOTES, uniq=True, word_similarity=True, convergence=True, group_ppl=True,
-         projections=True),
+         columns=C.lm_columns, notes=C.LM_NOTES, uniq=True,
+         report=(R.convergence_line, R.uniq_line, R.word_similarity_pairs, R.learning_curves, R.group_ppl_figure,
+                 R.projections_figure)),
     Part("alpha", LM, alpha_runs, BUDGET["alpha"], seeds=(1,), log_lines=20, evaluate=E.evaluate_lm,
-         columns=R.alpha_columns, notes=R.ALPHA_NOTES, convergence=True, frontier=True),
+         columns=C.alpha_columns, notes=C.ALPHA_NOTES,
+         report=(R.convergence_line, R.learning_curves, R.frontier_figure)),
     # more train_inner lines for the spike counts: every max(10, updates // 100) updates
     Part("depth", LM, depth_runs, BUDGET["depth"], seeds=(1,), log_lines=100, evaluate=E.evaluate_lm,
-         columns=R.depth_columns, notes=R.DEPTH_NOTES, convergence=True, by_depth=True),
+         columns=C.depth_columns, notes=C.DEPTH_NOTES, by_depth=True,
+         report=(R.convergence_line, R.spike_line, R.learning_curves, R.depth_figure)),
     Part("mt", MT, mt_runs, BUDGET["mt"], seeds=(1, 2, 3), log_lines=10, evaluate=E.evaluate_mt,
-         columns=R.mt_columns, notes=R.MT_NOTES),
-    # more train_inner lines for the curve of AGG's rare set
+         columns=C.mt_columns, notes=C.MT_NOTES, report=(R.learning_curves,)),
+    # more train_inner lines for the curve of AGG's rare set; its own section draws its learning curves
     Part("tail", TAIL, tail_runs, BUDGET["tail"], seeds=(1, 2, 3), log_lines=30, evaluate=T.evaluate,
-         columns=TR.columns, notes=TR.NOTES, one_seed_runs=TAIL_ONE_SEED, uniq=True, word_similarity=True,
-         groupings=T.GROUPINGS, convergence=True, projections=True, tables=TR.tables, section=TR.extend,
-         budget_comparison=TR.write_budget_comparison),
+         columns=TT.columns, notes=TT.NOTES, one_seed_runs=TAIL_ONE_SEED, uniq=True, groupings=T.GROUPINGS,
+         tables=TT.tables, report=(R.convergence_line, R.uniq_line, R.word_similarity_pairs, TR.section,
+                                   R.projections_figure),
+         budget_comparison=TB.write_budget_comparison),
 )}
 
 

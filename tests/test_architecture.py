@@ -51,7 +51,7 @@ ROLES = {
     PACKAGE: {PACKAGE},
     "fairseq_agg_cli.py": set(),  # the package only by name (importlib), once the arguments parse
     "fairseq_agg_plugin": {PACKAGE},
-    "examples": {PACKAGE, "examples"},
+    "examples": {PACKAGE, "examples", "study"},  # study/harness/ only (docs/architecture.md)
     "study": {PACKAGE, "study", "examples"},
     "scripts": {PACKAGE, "scripts", "tests"},
     "tests": {PACKAGE, "fairseq_agg_cli", "fairseq_agg_plugin", "examples", "study", "tests"},

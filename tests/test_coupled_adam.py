@@ -482,11 +482,11 @@ def test_bad_values_are_refused_at_start_up(lm_data_bin, tmp_path, extra, untied
 def test_demo_offers_coupled_adam_on_request(lm_data_bin, tmp_path):
     from fairseq import options
 
-    from examples import demo_common
     from examples.lm_demo import run as demo_run
+    from study.harness.fairseq_commands import registered_methods
 
     assert "coupled-adam" in demo_run.METHODS and "coupled-adam" not in demo_run.DEFAULT_METHODS
-    assert demo_common.registered_methods({"coupled-adam": demo_run.METHODS["coupled-adam"]}) == {"coupled-adam": None}
+    assert registered_methods({"coupled-adam": demo_run.METHODS["coupled-adam"]}) == {"coupled-adam": None}
     cmd = demo_run.DEMO.train_command("coupled-adam", lm_data_bin, str(tmp_path), 1, "quick", 10, True)
     args = options.parse_args_and_arch(options.get_training_parser(), cmd[1:])
     # the demo's adam settings, with coupled_adam as the optimizer

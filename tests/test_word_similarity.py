@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from fairseq import checkpoint_utils
 from fairseq.data import Dictionary
 
-from examples.demo_common import DataUnavailable
 from examples.lm_demo import run as demo_run
 from examples.lm_demo import wordsim
 from fairseq_agg.errors import UsageError
@@ -22,6 +21,7 @@ import fairseq_agg_cli as cli
 from fairseq_agg.analysis import analyze as A, table
 from fairseq_agg.analysis import word_similarity as WS
 import fairseq_runs as fr
+from study.harness.corpus_cache import DataUnavailable
 
 M = WS.SPM_MARK
 

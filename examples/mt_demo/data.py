@@ -20,7 +20,7 @@ import subprocess
 import zlib
 from html.parser import HTMLParser
 
-from examples.demo_common import DataUnavailable, sha256
+from study.harness.corpus_cache import DataUnavailable, sha256
 
 PACKAGES = ("trans-de-en", "libreoffice-help-en-us", "libreoffice-help-de")
 DING_FILE = "usr/share/trans/de-en"

@@ -20,10 +20,14 @@ import shutil
 import sys
 import time
 
-from examples import demo_common, textprep
-from examples.demo_common import (USER_DIR, Demo, build_parser, check_args, console_script, minutes,
-                                  preprocess, run_logged, say, write_json)
+from examples import textprep
+from examples.demo_common import Demo, build_parser
 from examples.mt_demo import data as mtdata
+from study.harness import fairseq_commands
+from study.harness.cli import check_args
+from study.harness.fairseq_commands import USER_DIR, console_script, preprocess, run_logged
+from study.harness.progress import minutes, say
+from study.harness.tables import write_json
 
 MODEL = {
     "default": ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "128",
@@ -74,8 +78,9 @@ def train_command(method, data_bin, save_dir, seed, updates, cpu, *, model, budg
     this demo's defaults): ``method`` a :data:`METHODS` entry or a variant of one, ``model`` and
     ``budget`` (max_tokens, warmup) e.g. entries of :data:`MODEL` and :data:`BUDGET`, the shared
     ``train_flags`` (default :data:`COMMON_TRAIN`)."""
-    return demo_common.train_command(method, model, COMMON_TRAIN if train_flags is None else train_flags, budget,
-                                     data_bin, save_dir, seed, updates, cpu, data_flags, log_lines)
+    flags = COMMON_TRAIN if train_flags is None else train_flags
+    return fairseq_commands.train_command(method, model, flags, budget, data_bin, save_dir, seed, updates, cpu,
+                                          data_flags, log_lines)
 
 
 COLUMNS = [("bleu", "BLEU", 2), ("chrf", "chrF", 2), ("bleu_ding", "BLEU Ding", 2),

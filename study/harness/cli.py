@@ -1,0 +1,22 @@
+"""The options the demos and the study share (each command line defines them itself) and their
+checks."""
+
+# Both demos prepare one corpus for both modes; the output layer dominates the cost of such small
+# models, so the vocabulary is what keeps the default budget under 15 minutes.
+VOCAB = 4000
+
+
+def check_args(p, a):
+    """Rejects bad values of the shared options before anything is written."""
+    if a.updates is not None and a.updates < 1:
+        p.error(f"--updates must be >= 1, got {a.updates}")
+    if a.threads < 1:
+        p.error(f"--threads must be >= 1, got {a.threads}")
+    if a.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {a.jobs}")
+    if a.vocab_size < 50:
+        p.error(f"--vocab-size must be >= 50, got {a.vocab_size}")
+    if len(set(a.seeds)) != len(a.seeds):
+        p.error("--seeds must be distinct")
+    if any(s < 0 for s in a.seeds):
+        p.error("--seeds must be >= 0")
