@@ -51,10 +51,11 @@ ROLES = {
     PACKAGE: {PACKAGE},
     "fairseq_agg_cli.py": set(),  # the package only by name (importlib), once the arguments parse
     "fairseq_agg_plugin": {PACKAGE},
-    "examples": {PACKAGE, "examples", "study"},  # study/harness/ only (docs/architecture.md)
-    "study": {PACKAGE, "study", "examples"},
+    "examples": {PACKAGE, "examples", "study/harness"},
+    "study/harness": {PACKAGE, "study/harness"},  # a folder's row holds for its files, a sub-folder's row for its own
+    "study": {PACKAGE, "study", "study/harness", "examples"},
     "scripts": {PACKAGE, "scripts", "tests"},
-    "tests": {PACKAGE, "fairseq_agg_cli", "fairseq_agg_plugin", "examples", "study", "tests"},
+    "tests": {PACKAGE, "fairseq_agg_cli", "fairseq_agg_plugin", "examples", "study", "study/harness", "tests"},
 }
 BARE_NAMES_OF = ("tests/support", "scripts")  # folders whose modules are also imported by bare name
 
@@ -204,20 +205,28 @@ def part_of(root, imported, roles):
     """The part of the checkout an imported name belongs to, or None (the standard library, a
     third-party package)."""
     top = imported.split(".")[0]
-    parts = {os.path.splitext(part)[0]: part for part in roles}
-    if top in parts:
-        return os.path.splitext(parts[top])[0]
+    dotted = {os.path.splitext(part)[0].replace("/", "."): os.path.splitext(part)[0] for part in roles}
+    for name in sorted(dotted, key=len, reverse=True):  # the most specific row: study.harness before study
+        if imported == name or imported.startswith(name + "."):
+            return dotted[name]
     for folder in BARE_NAMES_OF:
         if os.path.exists(os.path.join(root, folder, top + ".py")):
             return folder.split("/")[0]
     return None
 
 
+def own_files(root, part, roles):
+    """The files of ``part`` that no more specific row (a sub-folder's) covers."""
+    inner = [other for other in roles if other != part and other.startswith(part + "/")]
+    return [path for path in module_files(root, part)
+            if not any(os.path.relpath(path, root).startswith(other + "/") for other in inner)]
+
+
 def role_breaks(root, roles):
     """(file, imported name) for each import of a part of the checkout that its part's row does not allow."""
     breaks = []
     for part, allowed in roles.items():
-        for path in module_files(root, part):
+        for path in own_files(root, part, roles):
             for imported in imported_modules(root, path):
                 target = part_of(root, imported, roles)
                 if target is not None and target not in allowed:
@@ -343,6 +352,8 @@ def test_probe_fairseq_loaded_through_a_module_a_fairseq_free_part_imports(tmp_p
     ("fairseq_agg_cli.py", "import fairseq_agg\n"),  # no import statement of the package
     ("fairseq_agg_plugin/__init__.py", "from examples import demo_common\n"),
     ("examples/x.py", "from study import store\n"),
+    ("study/harness/x.py", "from study import store\n"),
+    ("study/harness/x.py", "from examples import demo_common\n"),
     ("study/x.py", "from scripts import gpu_check\n"),
     ("study/x.py", "import fairseq_runs\n"),  # tests/support, by its bare name
     ("scripts/x.py", "from examples import demo_common\n"),
