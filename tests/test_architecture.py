@@ -54,8 +54,9 @@ ROLES = {
     "examples": {PACKAGE, "examples", "study/harness"},
     "study/harness": {PACKAGE, "study/harness"},  # a folder's row holds for its files, a sub-folder's row for its own
     "study": {PACKAGE, "study", "study/harness", "examples"},
-    "scripts": {PACKAGE, "scripts", "tests"},
-    "tests": {PACKAGE, "fairseq_agg_cli", "fairseq_agg_plugin", "examples", "study", "study/harness", "tests"},
+    "benchmarks": {PACKAGE, "benchmarks", "tests"},
+    "scripts": {PACKAGE, "scripts", "benchmarks", "tests"},
+    "tests": {PACKAGE, "fairseq_agg_cli", "fairseq_agg_plugin", "examples", "study", "study/harness", "benchmarks", "tests"},
 }
 BARE_NAMES_OF = ("tests/support", "scripts")  # folders whose modules are also imported by bare name
 
@@ -357,6 +358,8 @@ def test_probe_fairseq_loaded_through_a_module_a_fairseq_free_part_imports(tmp_p
     ("study/x.py", "from scripts import gpu_check\n"),
     ("study/x.py", "import fairseq_runs\n"),  # tests/support, by its bare name
     ("scripts/x.py", "from examples import demo_common\n"),
+    ("benchmarks/x.py", "from study import store\n"),
+    ("benchmarks/x.py", "from scripts import gpu_check\n"),
     ("tests/test_x.py", "import gpu_check\n"),  # scripts/, by its bare name
     ("tests/test_x.py", "from scripts.gpu_check import main\n"),
 ])

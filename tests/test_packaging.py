@@ -147,7 +147,7 @@ def test_requirements_never_replace_torch_or_fairseq(built):
 # foreign kernels of --output-kernel liger / cce
 OPTIONAL_IMPORTS = {"triton", "liger_kernel", "cut_cross_entropy"}
 # the checkout's own top-level modules, imported by bare name (tests/support is on pytest's path)
-OWN_MODULES = {"fairseq_agg", "fairseq_agg_cli", "fairseq_agg_plugin", "examples", "study", "scripts", "tests"} | {
+OWN_MODULES = {"fairseq_agg", "fairseq_agg_cli", "fairseq_agg_plugin", "benchmarks", "examples", "study", "scripts", "tests"} | {
     os.path.splitext(name)[0] for folder in ("tests", os.path.join("tests", "support"))
     for name in os.listdir(os.path.join(REPO, folder)) if name.endswith(".py")}
 
@@ -236,7 +236,7 @@ def test_examples_study_and_tests_need_only_the_extras(built):
     assert {"pytest", "tensorboardx"} <= extras["test"]
     base = extras[None] | _fairseqs_requirements()
     assert not _unprovided(_third_party_imports("examples", "study"), base | extras["examples"])
-    assert not _unprovided(_third_party_imports("examples", "study", "tests", "scripts"),
+    assert not _unprovided(_third_party_imports("examples", "study", "tests", "scripts", "benchmarks"),
                            base | extras["examples"] | extras["test"])
     with open(os.path.join(REPO, "scripts", "setup_env.sh"), encoding="utf-8") as f:
         setup = f.read()

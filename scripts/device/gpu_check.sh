@@ -4,7 +4,7 @@
 # no network. Installs the bundle that scripts/device/prepare.sh made here (offline: only the
 # bundle and what the machine already has), builds fairseq against the torch there, installs this
 # package from the working tree, then runs `python -m scripts.gpu_check` from the root (the four
-# parts are in its docstring, its library in tests/support/). All of it, the install included, fits in --budget-s.
+# parts are benchmarks/gpu_check/, one module each). All of it, the install included, fits in --budget-s.
 #
 # Usage: bash scripts/device/gpu_check.sh [--cpu-smoke] [--install-only] [--budget-s S] [-- ARGS]
 #   --cpu-smoke     tiny shapes on the CPU in the current Python environment, nothing installed (CI)
@@ -146,7 +146,7 @@ fi
 (( install_only )) && exit 0
 args=(--out "$out" --deadline "$(( t0 + budget ))")
 (( smoke )) && args+=(--cpu-smoke)
-# as a module from the root: the check imports tests.support.* (the copy of the working tree has it)
+# as a module from the root: the check imports benchmarks.* and tests.support.* (the copy of the working tree has them)
 (cd "$root" && "$py" -m scripts.gpu_check "${args[@]}" "${passthrough[@]}")
 status=$?
 echo "[gpu_check.sh] done in $(( $(date +%s) - t0 )) s (exit $status); results: $out/gpu_check.md"

@@ -14,7 +14,7 @@
 # This package itself is not bundled: gpu_check.sh runs in a copy of the working tree and installs
 # the package from there, so the check always measures the code it is run from. That copy also
 # carries the check's own code, run there as `python -m scripts.gpu_check` from the root:
-# scripts/gpu_check.py and the modules it imports from tests/support/ (output_layer_problem,
+# scripts/gpu_check.py, benchmarks/ and the modules they import from tests/support/ (output_layer_problem,
 # output_layer_steps, reference_constructions, training_runs); nothing of it is bundled either.
 #
 # Usage: scripts/device/prepare.sh [--python-version 3.12] [--dest DIR]
