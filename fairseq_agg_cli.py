@@ -4,12 +4,12 @@
 With no command it prints the directory to pass to fairseq's ``--user-dir``, so shells can write
 ``fairseq-train --user-dir "$(fairseq-agg)" ...``.
 
-This module lives outside the ``fairseq_agg`` package on purpose: importing that package (or any
-module in it) registers its criteria and models with fairseq (fairseq's ``--user-dir`` imports it
-by name and relies on that), which imports torch and fairseq and takes seconds. So every
-command's argument parser is here: ``--help`` and a mistyped flag are answered at once, and the
-module that does the work is imported only once the arguments parse. The path itself is found
-with ``importlib.util.find_spec``, which does not run the package.
+This module lives outside the ``fairseq_agg`` package on purpose: importing that package imports
+torch, and a command's work (fairseq's registries, checkpoints) imports fairseq, which takes
+seconds. So every command's argument parser is here: ``--help`` and a mistyped flag are answered
+at once, and the module that does the work is imported only once the arguments parse. The path
+is the directory of the ``fairseq_agg_plugin`` package (whose import registers the plugin with
+fairseq), found with ``importlib.util.find_spec``, which does not run it.
 """
 import argparse
 import importlib
@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Callable, NamedTuple
 
-PACKAGE = "fairseq_agg"
+PLUGIN = "fairseq_agg_plugin"  # the package fairseq's --user-dir loads (fairseq_agg.PLUGIN)
 
 # The choices of ``analyze --rows`` and ``--group-preset``. fairseq_agg.stats.groups defines them
 # next to the code that applies them, but importing it imports torch; tests/test_cli.py checks
@@ -147,10 +147,10 @@ COMMANDS = {
 
 
 def user_dir() -> str:
-    """The directory of the installed ``fairseq_agg`` package, found without importing it."""
-    spec = importlib.util.find_spec(PACKAGE)
+    """The directory of the installed ``fairseq_agg_plugin`` package, found without importing it."""
+    spec = importlib.util.find_spec(PLUGIN)
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(f"fairseq-agg: the {PACKAGE} package is not importable from {sys.executable}")
+        raise SystemExit(f"fairseq-agg: the {PLUGIN} package is not importable from {sys.executable}")
     return os.path.abspath(list(spec.submodule_search_locations)[0])
 
 

@@ -7,7 +7,8 @@ Imports neither torch nor fairseq, so the command-line tools can use it before t
   callers catch it as before. In a command-line process it is printed as
   ``PROG: error: MESSAGE`` with exit status 2 (argparse's convention, which fairseq's CLIs follow):
   :func:`report_usage_errors_in_one_line` installs that for ``fairseq-train`` and friends, where
-  the plugin's checks run inside fairseq's own ``main``. A genuine bug keeps its traceback.
+  the plugin's checks run inside fairseq's own ``main``, when the plugin registers with fairseq.
+  A genuine bug keeps its traceback.
 * :func:`check_number`, :func:`check_integer`, :func:`check_choice`: the checks every flag and
   every library argument goes through (nan and inf included). Each message names the fairseq flag
   the argument corresponds to (``window`` of AGG is ``--agg-window``), so a refused flag and a
@@ -112,13 +113,23 @@ def usage_error_behind(exc):
     return next((error for error in exception_chain(exc) if isinstance(error, UsageError)), None)
 
 
-def report_usage_errors_in_one_line(prog=None):
-    """Makes an uncaught :class:`UsageError` print ``PROG: error: MESSAGE`` and exit with status 2.
+def raised_within(tb, packages) -> bool:
+    """Whether the traceback ``tb`` passes through a module of one of ``packages`` (top-level names)."""
+    while tb is not None:
+        if str(tb.tb_frame.f_globals.get("__name__", "")).split(".")[0] in packages:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def report_usage_errors_in_one_line(within):
+    """Makes an uncaught :class:`UsageError` raised inside the code of ``within`` (top-level
+    package names: fairseq's, for its commands) print ``PROG: error: MESSAGE`` and exit with status 2.
 
     For processes whose ``main`` the plugin does not own (``fairseq-train``, ``fairseq-generate``,
     ``fairseq-eval-lm``): their user-dir import runs before the plugin's checks can fail. So does
-    an exception raised while handling one (:func:`usage_error_behind`). Every other exception
-    goes to the previous hook unchanged. Idempotent.
+    an exception raised while handling one (:func:`usage_error_behind`). Every other exception, a
+    UsageError of the program's own code included, goes to the previous hook unchanged. Idempotent.
     """
     previous = sys.excepthook
     if getattr(previous, "_reports_usage_errors", False):
@@ -126,8 +137,8 @@ def report_usage_errors_in_one_line(prog=None):
 
     def hook(exc_type, exc, tb):
         usage_error = usage_error_behind(exc)
-        if usage_error is not None:
-            name = prog or os.path.basename(sys.argv[0] or "fairseq") or "fairseq"
+        if usage_error is not None and raised_within(tb, within):
+            name = os.path.basename(sys.argv[0] or "fairseq") or "fairseq"
             sys.stdout.flush()
             print(f"{name}: error: {usage_error}", file=sys.stderr)
             sys.exit(2)

@@ -21,10 +21,10 @@ from fairseq import options
 from fairseq.models import ARCH_MODEL_NAME_REGISTRY, ARCH_MODEL_REGISTRY
 from fairseq.registry import REGISTRIES
 
-import fairseq_agg  # noqa: F401  (registers the plugin)
 from fairseq_agg.errors import UsageError
 from fairseq_agg.fairseq_facts.flag_choices import from_plugin
 from fairseq_agg.files import atomic_output, check_output_path
+from fairseq_agg.registration import register_with_fairseq
 
 _LM = ["--task", "language_modeling", "--arch", "transformer_lm"]
 _MT = ["--task", "translation", "--arch", "transformer"]
@@ -96,6 +96,7 @@ def component_options() -> List[str]:
 
 def plugin_components(option: str) -> List[str]:
     """The names the plugin registers for fairseq-train's ``option`` (architectures: base and named)."""
+    register_with_fairseq()  # what --user-dir does first
     registry = ARCH_MODEL_REGISTRY if option == "--arch" else REGISTRIES[option[2:].replace("-", "_")]["registry"]
     return sorted(name for name, cls in registry.items() if from_plugin(cls))
 

@@ -29,6 +29,7 @@ from study.evaluate import projection_figure
 from study.harness.cli import VOCAB, check_args
 from study.harness.progress import say
 from study.training import TAG, Context, run_part
+from study.harness.cli import exit_in_one_line
 
 
 # ---------------------------------------------------------------------------- the command line
@@ -296,4 +297,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_in_one_line(main))

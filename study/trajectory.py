@@ -29,6 +29,7 @@ from typing import Dict, List
 from fairseq_agg.fairseq_facts.checkpoint_files import checkpoint_updates
 from study import store
 from study.tail import GROUPINGS, group_perplexities, quiet_known_warnings
+from study.harness.cli import exit_in_one_line
 
 TRAJECTORY_JSON = "trajectory.json"
 EPOCH_CHECKPOINT = re.compile(r"checkpoint(\d+)\.pt")
@@ -142,4 +143,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_in_one_line(main))

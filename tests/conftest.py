@@ -1,7 +1,9 @@
+import importlib.util
 import os
 
 import pytest
 
+import fairseq_agg
 import fairseq_runs
 import tiers
 
@@ -9,6 +11,10 @@ import tiers
 def pytest_configure(config):
     config.addinivalue_line("markers", "e2e: starts a process, or uses a fixture that does (found by "
                                        "tests/support/tiers.py); the fast tier is -m 'not e2e'")
+    # Many tests build fairseq's components in this process, as a fairseq command does once
+    # --user-dir has loaded the plugin; importing fairseq_agg registers nothing, so register here.
+    if importlib.util.find_spec("fairseq") is not None:
+        fairseq_agg.register_with_fairseq()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -15,7 +15,7 @@ from fairseq.data import Dictionary
 import fairseq_runs as fr
 import fairseq_agg_cli as cli
 from fairseq_agg.fairseq_facts.dictionary import madeupword_ids
-from fairseq_agg.analysis import analyze as A
+from fairseq_agg.analysis import analyze as A, table
 from fairseq_agg.stats import groups as G
 from fairseq_agg.stats.metrics import isotropy, mean_direction_drift, mean_pairwise_cosine, tev_stats
 
@@ -106,7 +106,7 @@ def test_cli_report_figures_and_ppl_against_eval_lm(lm_ckpts, lm_data_bin, tmp_p
     assert report["table"]["columns"][:3] == ["label", "matrix", "tev_mu"] and len(report["table"]["rows"]) == 2
     cols = report["table"]["columns"]
     for row, ck in zip(report["table"]["rows"], report["checkpoints"]):  # the table's drift cells
-        for key in A.DRIFT_COLUMNS:
+        for key in table.DRIFT_COLUMNS:
             assert row[cols.index(key)] == ck["matrices"]["dec"]["drift"][key]
     assert (out / "table.md").read_text().count("\n") == 4
 

@@ -55,7 +55,7 @@ def mt_average(mt_data_bin, tmp_path_factory):
 def _safe_load_in_fresh_process(path, allow_namespace=False):
     """torch.load(weights_only=True) in a process that imports neither fairseq nor this plugin."""
     code = "import sys, torch\n"
-    if allow_namespace:  # what fairseq_agg does on import, i.e. in every tool run with --user-dir
+    if allow_namespace:  # what registering the plugin does, i.e. in every tool run with --user-dir
         code += "import argparse; torch.serialization.add_safe_globals([argparse.Namespace])\n"
     code += "state = torch.load(sys.argv[1], map_location='cpu', weights_only=True)\nprint(type(state['cfg']).__name__)\n"
     proc = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, env=dict(os.environ))

@@ -79,8 +79,9 @@ def test_a_truncated_checkpoint_last_is_one_line_naming_the_checkpoint_to_resume
 
 COPY_UNDER_A_FILE_SIZE_LIMIT = """
 import os, resource, signal, sys
-import fairseq_agg  # noqa: F401  (makes fairseq's checkpoint copies atomic)
+import fairseq_agg
 from fairseq.file_io import PathManager
+fairseq_agg.register_with_fairseq()  # as --user-dir does: fairseq's checkpoint copies become atomic
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[3]), int(sys.argv[3])))
 PathManager.copy(sys.argv[1], sys.argv[2], overwrite=True)
@@ -102,8 +103,9 @@ def test_a_copy_that_fails_midway_leaves_the_previous_checkpoint_last(runs, tmp_
     proc = subprocess.run([sys.executable, "-c", COPY_UNDER_A_FILE_SIZE_LIMIT, source, last, str(limit)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0, proc.stderr[-3000:]
-    assert proc.stderr.strip().splitlines()[-1] == (  # the plugin's one line: a UsageError
-        f"-c: error: file size limit exceeded writing {last}; the previous {last} is kept")
+    # the plugin's UsageError (one line in a fairseq command; here the program's own call keeps its traceback)
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"fairseq_agg.errors.UsageError: file size limit exceeded writing {last}; the previous {last} is kept")
     assert digests(save_dir) == before
 
     proc = subprocess.run([sys.executable, "-c", COPY_UNDER_A_FILE_SIZE_LIMIT, source, last, str(2 ** 40)],

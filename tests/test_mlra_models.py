@@ -222,8 +222,9 @@ def _require_criteria(*names):
 def lm_run(lm_data_bin, tmp_path_factory):
     """fairseq-train --arch transformer_lm_mlra_gpt (tiny dims) with the AGG criterion and TEV
     logging every update, in one run."""
-    import fairseq_agg  # noqa: F401  (registers the criteria)
+    import fairseq_agg
 
+    fairseq_agg.register_with_fairseq()  # for this process's registry, which _require_criteria reads
     _require_criteria("cross_entropy_agg")
     save = tmp_path_factory.mktemp("mlra_lm") / "ckpt"
     args = LM_MLRA + ["--attention-rank", "4", "--criterion", "cross_entropy_agg",

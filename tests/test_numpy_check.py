@@ -73,7 +73,7 @@ def test_registration_runs_the_check_first(monkeypatch, extension):
     monkeypatch.setattr(numpy, "__version__", "2.0.0")
     extension(NUMPY_2_IMPORT_ERROR)
     with pytest.raises(ImportError, match=r"^fairseq's compiled extensions .* or pip install 'numpy<2'$"):
-        fairseq_agg._register_with_fairseq()
+        fairseq_agg.register_with_fairseq()
 
 
 def test_numpy_1_imports_no_extension(extension):

@@ -28,7 +28,8 @@ import fairseq_runs as fr
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # what the sdist is built from (the rest of the checkout is not part of the package)
-SOURCES = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "fairseq_agg_cli.py", "fairseq_agg")
+SOURCES = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "fairseq_agg_cli.py", "fairseq_agg",
+           "fairseq_agg_plugin")
 SITE_PACKAGES = sysconfig.get_paths()["purelib"]
 
 
@@ -103,6 +104,7 @@ def test_sdist_and_wheel_contents(built):
     assert meta["License-Expression"] == "MIT"
     assert any(f.endswith(".dist-info/licenses/LICENSE") for f in files)
     assert "fairseq_agg_cli.py" in files and "fairseq_agg/criterions/agg.py" in files
+    assert "fairseq_agg_plugin/__init__.py" in files  # what --user-dir loads
     assert not any(f.startswith(("tests/", "examples/", "study/", "scripts/")) for f in files)
     entry_points = _wheel_file(built["wheel"], ".dist-info/entry_points.txt")
     assert "fairseq-agg = fairseq_agg_cli:main" in entry_points
@@ -145,7 +147,7 @@ def test_requirements_never_replace_torch_or_fairseq(built):
 # foreign kernels of --output-kernel liger / cce
 OPTIONAL_IMPORTS = {"triton", "liger_kernel", "cut_cross_entropy"}
 # the checkout's own top-level modules, imported by bare name (tests/support is on pytest's path)
-OWN_MODULES = {"fairseq_agg", "fairseq_agg_cli", "benchmarks", "examples", "study", "scripts", "tests"} | {
+OWN_MODULES = {"fairseq_agg", "fairseq_agg_cli", "fairseq_agg_plugin", "benchmarks", "examples", "study", "scripts", "tests"} | {
     os.path.splitext(name)[0] for folder in ("tests", os.path.join("tests", "support"))
     for name in os.listdir(os.path.join(REPO, folder)) if name.endswith(".py")}
 
@@ -217,7 +219,7 @@ def test_install_requirements_are_what_the_package_imports(built):
     study or the tests need is in the extras."""
     meta, _ = _wheel_metadata(built["wheel"])
     required = _requirements_by_extra(meta)[None]
-    imports = _third_party_imports("fairseq_agg", "fairseq_agg_cli.py")
+    imports = _third_party_imports("fairseq_agg", "fairseq_agg_cli.py", "fairseq_agg_plugin")
     assert not _unprovided(imports, required | _fairseqs_requirements())
     provided = importlib.metadata.packages_distributions()
     imported = {_normal(d) for module in imports for d in provided.get(module, [])}
@@ -286,7 +288,7 @@ def test_install_into_an_environment_with_torch_and_fairseq(built, lm_data_bin, 
     installed_dir = os.path.join(purelib, "fairseq_agg")
     assert where == [os.path.join(installed_dir, "__init__.py"), os.path.join(purelib, "fairseq_agg_cli.py")]
     printed = _run([os.path.join(os.path.dirname(python), "fairseq-agg")], cwd=tmp_path).stdout.strip()
-    assert printed == installed_dir
+    assert printed == os.path.join(purelib, "fairseq_agg_plugin")
 
     # a real training run with the plugin's criterion, loaded by fairseq from the installed
     # directory (python -m fairseq_cli.train is what the fairseq-train script runs)
@@ -314,7 +316,7 @@ def test_import_without_fairseq_says_what_to_install(built, tmp_path):
         assert "ModuleNotFoundError" not in proc.stderr  # the one line, not a chained traceback
     # the path still prints: it needs neither torch nor fairseq
     printed = _run([os.path.join(os.path.dirname(python), "fairseq-agg")], cwd=tmp_path).stdout.strip()
-    assert printed == os.path.join(purelib, "fairseq_agg")
+    assert printed == os.path.join(purelib, "fairseq_agg_plugin")
 
 
 def test_legacy_setup_py_and_editable_install(built):
@@ -411,7 +413,7 @@ def test_install_into_an_environment_with_numpy_2_changes_nothing(built, lm_data
 
     # the README's training paths under numpy 2: a language model and a translation model with the
     # plugin's criterion and its statistics, loaded from the installed copy
-    user_dir = os.path.join(purelib, "fairseq_agg")
+    user_dir = os.path.join(purelib, "fairseq_agg_plugin")
     for data, args in ((lm_data_bin, fr.TINY_LM_ARGS), (mt_data_bin, fr.TINY_MT_ARGS)):
         code = ("import numpy, runpy; print('numpy', numpy.__version__); "
                 "runpy.run_module('fairseq_cli.train', run_name='__main__')")

@@ -305,7 +305,7 @@ def test_evaluate_sh_defaults_label_every_bleu(wmt_prep, wmt_trained, recipe, re
     # --post-process sentencepiece gives the text that decoding the pieces with spm.model gives
     plain = subprocess.run(
         [os.path.join(os.path.dirname(sys.executable), "fairseq-generate"), os.path.join(wmt_prep["out"], "data-bin"),
-         "--user-dir", os.path.join(repo_root, "fairseq_agg"),
+         "--user-dir", os.path.join(repo_root, "fairseq_agg_plugin"),
          "--task", "translation", "--source-lang", "en", "--target-lang", "de",
          "--path", os.path.join(out, "averaged.pt"), "--gen-subset", "test", "--beam", "4", "--lenpen", "0.6",
          "--batch-size", "100", "--required-batch-size-multiple", "1", "--cpu", "--max-len-a", "1.2",

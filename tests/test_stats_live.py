@@ -13,7 +13,7 @@ from fairseq.criterions import CRITERION_REGISTRY
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.logging import metrics
 
-import fairseq_agg  # noqa: F401  (registers the criteria)
+import fairseq_agg
 import fairseq_runs as fr
 from fairseq_agg.errors import UsageError
 from fairseq_agg.stats import groups as G
@@ -413,6 +413,7 @@ def test_mt_untied_plain_log(mt_data_bin, tmp_path):
 
 
 def test_plugin_criterion_logs_the_same_keys(lm_data_bin, tmp_path):
+    fairseq_agg.register_with_fairseq()
     assert "cross_entropy_agg" in CRITERION_REGISTRY
     from fairseq.data import Dictionary
 

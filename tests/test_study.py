@@ -755,3 +755,16 @@ def test_spearman_interval_and_the_resolvable_difference_by_hand():
     assert M.resolvable_difference(146) == pytest.approx(0.234213, abs=1e-6)
     assert M.resolvable_difference(674) == pytest.approx(0.109724, abs=1e-6)
     assert M.resolvable_difference(3) is None
+
+
+def test_a_usage_error_past_the_argument_checks_ends_in_one_line(capsys, monkeypatch):
+    from fairseq_agg.errors import UsageError
+    from study.harness.cli import exit_in_one_line
+
+    def main():
+        raise UsageError("--work-dir /x/results.json: the disk is full")
+
+    monkeypatch.setattr("sys.argv", ["run.py"])
+    assert exit_in_one_line(main) == 2
+    assert capsys.readouterr().err == "run.py: error: --work-dir /x/results.json: the disk is full\n"
+    assert exit_in_one_line(lambda: 0) == 0

@@ -18,7 +18,7 @@ from examples.lm_demo import run as demo_run
 from examples.lm_demo import wordsim
 from fairseq_agg.errors import UsageError
 import fairseq_agg_cli as cli
-from fairseq_agg.analysis import analyze as A
+from fairseq_agg.analysis import analyze as A, table
 from fairseq_agg.analysis import word_similarity as WS
 import fairseq_runs as fr
 from study.harness.corpus_cache import DataUnavailable
@@ -73,7 +73,7 @@ def test_spearman_on_a_small_file_with_a_tie(tmp_path):
     assert score["subword"]["pairs"] == 5 and score["subword"]["rho"] == pytest.approx(expected, rel=1e-12)
     assert score["total_pairs"] == 6
     # as fairseq-agg-analyze prints it
-    assert A._word_sim_cell(score["single"]) == "0.667 (5)"
+    assert table.word_sim_cell(score["single"]) == "0.667 (5)"
 
 
 def test_spearman_undefined_and_scipy_cross_check():

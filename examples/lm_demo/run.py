@@ -33,6 +33,7 @@ from study.harness.fairseq_commands import console_script, preprocess, run_logge
 from study.harness.figures import seed_band
 from study.harness.progress import minutes, say
 from study.harness.tables import mean_spread, write_json
+from study.harness.cli import exit_in_one_line
 
 # Every run shares the model shape and optimisation; methods change only what they are about.
 # Pre-LN GPT-style decoder (the setting of the MLRA paper), tied embeddings (needed by REAL,
@@ -375,4 +376,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_in_one_line(main))

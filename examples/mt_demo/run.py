@@ -28,6 +28,7 @@ from study.harness.cli import check_args
 from study.harness.fairseq_commands import USER_DIR, console_script, preprocess, run_logged
 from study.harness.progress import minutes, say
 from study.harness.tables import write_json
+from study.harness.cli import exit_in_one_line
 
 MODEL = {
     "default": ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "128",
@@ -297,4 +298,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_in_one_line(main))

@@ -91,7 +91,7 @@ mkdir -p "$out"
 echo "[evaluate] fairseq-eval-lm on $subset: $tps-token blocks, context window $ctx"
 # Every block is scored: eval-lm's loader batches with a multiple of 1 whatever this flag says (the
 # task's eval_lm_dataloader passes none); the flag keeps it so should a fairseq read it
-"$bindir/fairseq-eval-lm" "$data" --user-dir "$root/fairseq_agg" --task language_modeling \
+"$bindir/fairseq-eval-lm" "$data" --user-dir "$root/fairseq_agg_plugin" --task language_modeling \
   --path "$ckpt" --gen-subset "$subset" --tokens-per-sample "$tps" --context-window "$ctx" \
   --batch-size "$bsz" --required-batch-size-multiple 1 "${extra[@]}" 2>&1 | tee "$out/eval_lm.log" \
   | grep -E "Evaluated|Loss \(base 2\)" || true

@@ -84,7 +84,7 @@ check_launch
 batch_settings 4096 8 1024  # a micro-batch holds whole 1,024-token samples
 gpu_precision
 
-run_train "$bindir/fairseq-train" "$data" --user-dir "$root/fairseq_agg" \
+run_train "$bindir/fairseq-train" "$data" --user-dir "$root/fairseq_agg_plugin" \
   --task language_modeling --arch "$arch" --share-decoder-input-output-embed \
   "${crit[@]}" \
   --dropout 0.1 --attention-dropout 0.1 \

@@ -119,7 +119,7 @@ fi
 # batch-size multiple of 1 matters: with fairseq's default of 8 this fairseq build drops a final
 # batch of fewer than 8 sentences, and those test sentences would go unscored.
 echo "[evaluate] fairseq-generate --beam $beam --lenpen $lenpen on $subset"
-"$bindir/fairseq-generate" "$data" --user-dir "$root/fairseq_agg" --task translation \
+"$bindir/fairseq-generate" "$data" --user-dir "$root/fairseq_agg_plugin" --task translation \
   --source-lang en --target-lang de --path "$model" --gen-subset "$subset" \
   --beam "$beam" --lenpen "$lenpen" --batch-size "$bsz" --required-batch-size-multiple 1 \
   --post-process sentencepiece "${extra[@]}" > "$out/generate.out"

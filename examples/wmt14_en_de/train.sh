@@ -101,7 +101,7 @@ gpu_precision
 keep=()
 (( keep_epochs > 0 )) && keep=(--keep-last-epochs "$keep_epochs")
 
-run_train "$bindir/fairseq-train" "$data" --user-dir "$root/fairseq_agg" \
+run_train "$bindir/fairseq-train" "$data" --user-dir "$root/fairseq_agg_plugin" \
   --task translation --source-lang en --target-lang de \
   "${arch[@]}" --share-all-embeddings \
   "${crit[@]}" \

@@ -6,8 +6,10 @@ import os
 import pickle
 from typing import Optional
 
+from fairseq_agg.fairseq_facts.checkpoint_files import saved_updates
 from fairseq_agg.fairseq_facts.checkpoint_state import allow_namespace_in_checkpoints
-from fairseq_agg.fairseq_facts.dictionary import madeupword_ids
+from fairseq_agg.fairseq_facts.dictionary import madeupword_ids, nspecial
+from fairseq_agg.registration import register_with_fairseq
 from fairseq_agg.stats.matrices import task_dictionaries
 
 logger = logging.getLogger("fairseq_agg.analyze")
@@ -38,8 +40,9 @@ def _unreadable_reason(error: Exception) -> str:
 def load_checkpoint(path: str) -> dict:
     """fairseq's ``load_checkpoint_to_cpu`` with clear errors."""
     check_checkpoint_path(path)
-    import fairseq_agg  # noqa: F401  (registers this plugin's models/criteria first)
     from fairseq import checkpoint_utils
+
+    register_with_fairseq()  # the plugin's models, as fairseq-train's --user-dir registers them
 
     allow_namespace_in_checkpoints()
     try:
@@ -67,7 +70,7 @@ def checkpoint_metadata(state: dict) -> dict:
     """Training progress and components recorded in a checkpoint (``None`` where absent)."""
     cfg = state.get("cfg")
     return {
-        "num_updates": ((state.get("optimizer_history") or [{}])[-1] or {}).get("num_updates"),
+        "num_updates": saved_updates(state),
         "epoch": ((state.get("extra_state") or {}).get("train_iterator") or {}).get("epoch"),
         "task": cfg_get(cfg, "task", "_name"),
         "arch": cfg_get(cfg, "model", "_name") or cfg_get(cfg, "model", "arch"),
@@ -114,7 +117,7 @@ def check_dictionary_sizes(dicts: dict, matrices, data: str, checkpoint: str):
 def dictionary_info(dictionary, source) -> Optional[dict]:
     if dictionary is None:
         return None
-    return {"size": len(dictionary), "nspecial": int(dictionary.nspecial),
+    return {"size": len(dictionary), "nspecial": nspecial(dictionary),
             "madeupwords": len(madeupword_ids(dictionary)), "source": source}
 
 
@@ -125,6 +128,7 @@ def load_model_and_task(checkpoint: str, state: dict, data: str, device):
 
     if not os.path.isdir(data):
         raise AnalyzeError(f"--data: not a directory: {data}")
+    register_with_fairseq()  # the plugin's models, to build the checkpoint's
     if state.get("args") is not None:
         state["args"].data = data
     if state.get("cfg") is not None:

@@ -116,6 +116,49 @@ def _load_split(task, split: str):
     return task.dataset(split)
 
 
+def _scoring_batches(model, task, split: str, max_tokens: int, batch_size: Optional[int], context_window: int,
+                     tokens_per_sample: Optional[int]):
+    """(the batches of ``split`` as fairseq scores them, whether a leading <s> goes unscored, the
+    tokens per sample of a language model or None): see :func:`group_perplexity`."""
+    from fairseq import utils
+
+    if hasattr(task, "eval_lm_dataloader"):
+        tokens_per_sample = int(tokens_per_sample or task.args.tokens_per_sample)
+        _check_context_window(context_window, tokens_per_sample, f"tokens_per_sample {tokens_per_sample}")
+        # as fairseq-eval-lm: blocks of T - C tokens, each given up to C tokens of context
+        with _task_tokens_per_sample(task, tokens_per_sample - context_window):
+            itr = task.eval_lm_dataloader(
+                dataset=_load_split(task, split), max_tokens=max_tokens, batch_size=batch_size,
+                max_positions=utils.resolve_max_positions(model.max_positions()), num_workers=0,
+                context_window=context_window,
+            )
+        return itr, bool(getattr(task.args, "add_bos_token", False)), tokens_per_sample
+    if context_window or tokens_per_sample is not None:
+        flag = "--context-window" if context_window else "--tokens-per-sample"
+        raise AnalyzeError(f"{flag} applies to language-modeling tasks (as in fairseq-eval-lm), "
+                           f"not to {type(task).__name__}")
+    # batch-size multiple 1: fairseq drops a last batch smaller than the multiple (fairseq#5036)
+    itr = task.get_batch_iterator(
+        dataset=_load_split(task, split), max_tokens=max_tokens, max_sentences=batch_size,
+        max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
+        ignore_invalid_inputs=True, required_batch_size_multiple=1, seed=1, num_workers=0,
+    ).next_epoch_itr(shuffle=False)
+    return itr, False, None
+
+
+def _scored_tokens(scorer, model, sample, remove_bos: bool):
+    """(the NLL of every scored target token of ``sample``, their ids), as fairseq-eval-lm scores them."""
+    targets, nlls = [], []
+    for hypos in scorer.generate([model], sample):  # one hypothesis per sentence: its target
+        tokens, scores = hypos[0]["tokens"], hypos[0]["positional_scores"].float()
+        if remove_bos:  # eval-lm does not score the <s> that --add-bos-token puts first
+            tokens, scores = tokens[1:], scores[1:]
+        finite = ~torch.isinf(scores)  # eval-lm skips tokens with an infinite score
+        targets.append(tokens[finite])
+        nlls.append(-scores[finite])
+    return torch.cat(nlls), torch.cat(targets)
+
+
 @torch.no_grad()
 def group_perplexity(model, task, split: str, groups: Dict[str, torch.Tensor], max_tokens: int = 2048,
                      batch_size: Optional[int] = None, device=None, context_window: int = 0,
@@ -136,30 +179,8 @@ def group_perplexity(model, task, split: str, groups: Dict[str, torch.Tensor], m
     device = torch.device(device) if device is not None else next(model.parameters()).device
     model.eval()
     tgt_dict = task.target_dictionary
-    lm = hasattr(task, "eval_lm_dataloader")
-    if lm:
-        tokens_per_sample = int(tokens_per_sample or task.args.tokens_per_sample)
-        _check_context_window(context_window, tokens_per_sample, f"tokens_per_sample {tokens_per_sample}")
-        # as fairseq-eval-lm: blocks of T - C tokens, each given up to C tokens of context
-        with _task_tokens_per_sample(task, tokens_per_sample - context_window):
-            itr = task.eval_lm_dataloader(
-                dataset=_load_split(task, split), max_tokens=max_tokens, batch_size=batch_size,
-                max_positions=utils.resolve_max_positions(model.max_positions()), num_workers=0,
-                context_window=context_window,
-            )
-        remove_bos = bool(getattr(task.args, "add_bos_token", False))
-    else:
-        if context_window or tokens_per_sample is not None:
-            flag = "--context-window" if context_window else "--tokens-per-sample"
-            raise AnalyzeError(f"{flag} applies to language-modeling tasks (as in fairseq-eval-lm), "
-                               f"not to {type(task).__name__}")
-        # batch-size multiple 1: fairseq drops a last batch smaller than the multiple (fairseq#5036)
-        itr = task.get_batch_iterator(
-            dataset=_load_split(task, split), max_tokens=max_tokens, max_sentences=batch_size,
-            max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
-            ignore_invalid_inputs=True, required_batch_size_multiple=1, seed=1, num_workers=0,
-        ).next_epoch_itr(shuffle=False)
-        remove_bos = False
+    itr, remove_bos, tokens_per_sample = _scoring_batches(model, task, split, max_tokens, batch_size,
+                                                          context_window, tokens_per_sample)
     scorer = SequenceScorer(tgt_dict)
     lookup = G.group_lookup(groups, len(tgt_dict)).to(device)
     num_groups = len(groups)
@@ -170,15 +191,7 @@ def group_perplexity(model, task, split: str, groups: Dict[str, torch.Tensor], m
         if not sample or "net_input" not in sample:
             continue
         sample = utils.apply_to_sample(lambda t: t.to(device), sample)
-        targets, nlls = [], []
-        for hypos in scorer.generate([model], sample):  # one hypothesis per sentence: its target
-            tokens, scores = hypos[0]["tokens"], hypos[0]["positional_scores"].float()
-            if remove_bos:  # eval-lm does not score the <s> that --add-bos-token puts first
-                tokens, scores = tokens[1:], scores[1:]
-            finite = ~torch.isinf(scores)  # eval-lm skips tokens with an infinite score
-            targets.append(tokens[finite])
-            nlls.append(-scores[finite])
-        nll, target = torch.cat(nlls), torch.cat(targets)
+        nll, target = _scored_tokens(scorer, model, sample, remove_bos)
         s, c = group_nll_sums(nll, target, lookup, num_groups)
         sums += s
         counts += c
@@ -190,7 +203,7 @@ def group_perplexity(model, task, split: str, groups: Dict[str, torch.Tensor], m
     return {
         "split": split,
         "context_window": context_window,
-        "tokens_per_sample": tokens_per_sample if lm else None,
+        "tokens_per_sample": tokens_per_sample,
         "total": _entry(total_nll, total_n),
         "groups": OrderedDict((g, _entry(float(sums[k]), float(counts[k]))) for k, g in enumerate(groups)),
         "ungrouped": _entry(total_nll - grouped_nll, total_n - grouped_n),

@@ -20,6 +20,7 @@ from fairseq import metrics
 from fairseq.criterions import register_criterion
 from fairseq.dataclass import ChoiceEnum
 
+from fairseq_agg.fairseq_facts.dictionary import nspecial
 from fairseq_agg.fairseq_facts.distributed import data_parallel_group, data_parallel_world_size
 from fairseq_agg.fairseq_facts.training_loop import is_translation_task, updates_per_epoch
 from fairseq_agg.ops import AggLoss, RareFreezing, gate_statistics
@@ -105,7 +106,7 @@ class AggCriterion(OutputLossCriterion):
                                                        is_translation_task(task))
         super().__init__(task, cfg, "cross_entropy_agg")
         self.agg = AggLoss(
-            len(self.dictionary), alpha=cfg.agg_alpha, window=cfg.agg_window or None, nspecial=self.dictionary.nspecial,
+            len(self.dictionary), alpha=cfg.agg_alpha, window=cfg.agg_window or None, nspecial=nspecial(self.dictionary),
             g1_mode=cfg.agg_g1_mode, threshold_mode=threshold_mode,
             ref_tokens=ref_tokens if threshold_mode == "relative" else (cfg.agg_ref_tokens or None),
             all_reduce=not cfg.agg_local_counts, process_group=data_parallel_group(),

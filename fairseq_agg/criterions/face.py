@@ -17,6 +17,7 @@ from fairseq import metrics
 from fairseq.criterions import register_criterion
 from fairseq.dataclass import ChoiceEnum
 
+from fairseq_agg.fairseq_facts.dictionary import eos_index
 from fairseq_agg.fairseq_facts.distributed import data_parallel_group
 from fairseq_agg.ops import FaceLoss
 from fairseq_agg.ops.face import COUNTINGS, FREQUENCIES, WEIGHINGS
@@ -67,7 +68,7 @@ class FaceCriterion(OutputLossCriterion):
         self.face = FaceLoss(
             len(self.dictionary), weighing=cfg.face_weighing, frequency=cfg.face_frequency,
             counting=cfg.face_counting, window=cfg.face_window or None,
-            uncounted_id=None if cfg.face_count_eos else self.dictionary.eos(), process_group=data_parallel_group(),
+            uncounted_id=None if cfg.face_count_eos else eos_index(self.dictionary), process_group=data_parallel_group(),
         )
         self.refuse_output_kernel(row_weights=True, argmax=self.face.frequency == "out")
         self.keep_in_checkpoints("face_restart_counts", counter=self.face.counter)  # the counts travel with every checkpoint

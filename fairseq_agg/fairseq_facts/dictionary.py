@@ -7,6 +7,7 @@ from typing import List
 
 FAIRSEQ_NSPECIAL = 4  # bos, pad, eos, unk: fairseq's Dictionary without extra special symbols
 FAIRSEQ_PAD = 1
+FAIRSEQ_EOS = 2
 _MADEUPWORD = re.compile(r"^madeupword\d{4}$")  # Dictionary.pad_to_multiple_
 
 
@@ -16,6 +17,10 @@ def nspecial(dictionary) -> int:
 
 def pad_index(dictionary) -> int:
     return FAIRSEQ_PAD if dictionary is None else int(dictionary.pad())
+
+
+def eos_index(dictionary) -> int:
+    return FAIRSEQ_EOS if dictionary is None else int(dictionary.eos())
 
 
 def madeupword_ids(dictionary) -> List[int]:

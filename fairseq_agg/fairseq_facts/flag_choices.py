@@ -4,11 +4,12 @@ argparse answers ``--coupled-adam-matrices foo`` with fairseq-train's whole usag
 lines) before the line that matters. For the flags of the plugin's components (the fields of the
 dataclasses its criteria, models and optimizers register), :func:`report_invalid_choices_in_one_line`
 makes the answer read like the plugin's other refusals (:func:`fairseq_agg.errors.check_choice`):
-``PROG: error: --FLAG must be one of A, B, got 'foo'``, exit status 2. Other flags keep argparse's
-answer.
+``PROG: error: --FLAG must be one of A, B, got 'foo'``, exit status 2. Other flags, and every
+parser that is not a fairseq command's, keep argparse's answer.
 """
 import argparse
 import dataclasses
+import functools
 import re
 
 from fairseq.models import MODEL_DATACLASS_REGISTRY, MODEL_REGISTRY
@@ -52,18 +53,41 @@ def one_line_choice_error(message: str, flags) -> str:
     return f"{found.group('flag')} must be one of {choices}, got {found.group('value')}"
 
 
-def report_invalid_choices_in_one_line():
-    """Makes argparse's invalid-choice error of a plugin flag one line (see the module docstring).
-    Idempotent; the flags are read when the error happens (every component is registered then)."""
-    stock_error = argparse.ArgumentParser.error
+def give_one_line_choice_errors(parser: argparse.ArgumentParser):
+    """Makes ``parser``'s invalid-choice error of a plugin flag one line (see the module
+    docstring); its other errors keep argparse's answer. Idempotent; the flags are read when the
+    error happens (every component is registered then)."""
+    stock_error = parser.error
     if getattr(stock_error, "_plugin_choices", False):
         return
 
-    def error(parser, message):
+    def error(message):
         line = one_line_choice_error(message, plugin_flags())
         if line is None:
-            stock_error(parser, message)
+            stock_error(message)
         parser.exit(2, f"{parser.prog}: error: {line}\n")
 
     error._plugin_choices = True
-    argparse.ArgumentParser.error = error
+    parser.error = error
+
+
+def report_invalid_choices_in_one_line():
+    """Gives the parser of each fairseq command the plugin's invalid-choice error
+    (:func:`give_one_line_choice_errors`), and no other parser of the process. fairseq's commands
+    (``fairseq-train``, ``fairseq-generate``, ``fairseq-eval-lm``, ``fairseq-validate``,
+    ``fairseq-interactive``) parse their flags with ``fairseq.options.parse_args_and_arch``, which
+    they call through the module after the plugin is loaded; that function is wrapped.
+    Idempotent."""
+    from fairseq import options
+
+    fairseq_parse = options.parse_args_and_arch
+    if getattr(fairseq_parse, "_plugin_choices", False):
+        return
+
+    @functools.wraps(fairseq_parse)
+    def parse_args_and_arch(parser, *args, **kwargs):
+        give_one_line_choice_errors(parser)
+        return fairseq_parse(parser, *args, **kwargs)
+
+    parse_args_and_arch._plugin_choices = True
+    options.parse_args_and_arch = parse_args_and_arch

@@ -2,7 +2,7 @@
 import importlib
 import os
 
-from fairseq_agg import require_fairseq
+from fairseq_agg.requirements import require_fairseq
 
 require_fairseq()  # without fairseq: one line saying what to install
 

@@ -224,17 +224,8 @@ class MultiheadLowRankAttention(FairseqIncrementalDecoder):
         if self.bias_k is not None:
             k, v, key_padding_mask, attn_mask = self._append_bias_kv(k, v, key_padding_mask, attn_mask)
         q, k, v = self._split_heads(q), self._split_heads(k), self._split_heads(v)
-        if saved_state is not None:
-            assert incremental_state is not None
-            k, v, key_padding_mask = self._merge_cache(
-                incremental_state, saved_state, k, v, key_padding_mask, static_kv)
-        assert k is not None and v is not None
-        if key_padding_mask is not None and key_padding_mask.dim() == 0:
-            key_padding_mask = None
-        if key_padding_mask is not None:
-            assert key_padding_mask.size(0) == k.size(0) and key_padding_mask.size(1) == k.size(2)
-        if self.add_zero_attn:
-            k, v, key_padding_mask, attn_mask = self._append_zero_attn(k, v, key_padding_mask, attn_mask)
+        k, v, key_padding_mask, attn_mask = self._cached_keys_and_values(
+            k, v, key_padding_mask, attn_mask, incremental_state, saved_state, static_kv)
 
         beams = bsz // k.size(0)
         q, attn_mask = self._fold_beams(q, attn_mask, beams)
@@ -255,6 +246,24 @@ class MultiheadLowRankAttention(FairseqIncrementalDecoder):
         return out, probs if need_head_weights else probs.mean(dim=0)
 
     # -- forward steps ------------------------------------------------------------------------------
+
+    def _cached_keys_and_values(self, k: Optional[Tensor], v: Optional[Tensor], key_padding_mask: Optional[Tensor],
+                                attn_mask: Optional[Tensor], incremental_state: Optional[IncrementalState],
+                                saved_state, static_kv: bool):
+        """K and V (B x H x S x d_h) merged with the incremental state's cache, and with the
+        zero-attention slot when it is on; the padding and attention masks to match."""
+        if saved_state is not None:
+            assert incremental_state is not None
+            k, v, key_padding_mask = self._merge_cache(
+                incremental_state, saved_state, k, v, key_padding_mask, static_kv)
+        assert k is not None and v is not None
+        if key_padding_mask is not None and key_padding_mask.dim() == 0:
+            key_padding_mask = None
+        if key_padding_mask is not None:
+            assert key_padding_mask.size(0) == k.size(0) and key_padding_mask.size(1) == k.size(2)
+        if self.add_zero_attn:
+            k, v, key_padding_mask, attn_mask = self._append_zero_attn(k, v, key_padding_mask, attn_mask)
+        return k, v, key_padding_mask, attn_mask
 
     def _project(self, query: Tensor, key: Optional[Tensor], value: Optional[Tensor],
                  key_padding_mask: Optional[Tensor]):

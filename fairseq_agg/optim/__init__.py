@@ -1,8 +1,4 @@
-"""Optimizers: :class:`~fairseq_agg.optim.coupled_adam.CoupledAdam` in pure torch, and with fairseq
-installed its registration as ``--optimizer coupled_adam`` (on import)."""
-import importlib.util
-
+"""Optimizers: :class:`~fairseq_agg.optim.coupled_adam.CoupledAdam` in pure torch (importing this
+package needs torch only), and its fairseq registration as ``--optimizer coupled_adam``
+(:mod:`.fairseq_coupled_adam`, imported by :func:`fairseq_agg.register_with_fairseq`)."""
 from .coupled_adam import CoupledAdam, CoupledBlock  # noqa: F401
-
-if importlib.util.find_spec("fairseq") is not None:
-    from . import fairseq_coupled_adam  # noqa: F401

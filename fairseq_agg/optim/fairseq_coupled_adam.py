@@ -15,7 +15,7 @@ which tensors of the model are embedding matrices is the statistics' own rule
 import logging
 from dataclasses import dataclass, field
 
-from fairseq_agg import require_fairseq
+from fairseq_agg.requirements import require_fairseq
 
 require_fairseq()  # without fairseq: one line saying what to install
 

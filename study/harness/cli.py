@@ -1,5 +1,9 @@
 """The options the demos and the study share (each command line defines them itself) and their
-checks."""
+checks, and the one-line end of a command whose work refuses a path or a full disk."""
+import os
+import sys
+
+from fairseq_agg.errors import UsageError
 
 # Both demos prepare one corpus for both modes; the output layer dominates the cost of such small
 # models, so the vocabulary is what keeps the default budget under 15 minutes.
@@ -20,3 +24,14 @@ def check_args(p, a):
         p.error("--seeds must be distinct")
     if any(s < 0 for s in a.seeds):
         p.error("--seeds must be >= 0")
+
+
+def exit_in_one_line(main):
+    """Runs a command's ``main()``; a UsageError raised past its argument checks (an output that
+    cannot be written, a full disk) ends in one line and exit status 2, as a bad argument does.
+    Importing the package installs no process-wide hook for this (docs/architecture.md)."""
+    try:
+        return main()
+    except UsageError as error:
+        print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr)
+        return 2

@@ -12,7 +12,7 @@ import time
 from study.harness.progress import say
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-USER_DIR = os.path.join(REPO, "fairseq_agg")
+USER_DIR = os.path.join(REPO, "fairseq_agg_plugin")  # what --user-dir loads (fairseq_agg.USER_DIR)
 BIN_DIR = os.path.dirname(sys.executable)
 
 
@@ -116,11 +116,12 @@ def quiet_fairseq_logging():
 def registered_methods(methods):
     """{name: None if usable else the reason}; methods map to dicts with 'criterion' and 'arch' (and
     an 'optimizer' when they replace the demo's adam)."""
-    import fairseq_agg  # noqa: F401  (registers the plugin)
+    import fairseq_agg
     from fairseq.criterions import CRITERION_REGISTRY
     from fairseq.models import ARCH_MODEL_REGISTRY
     from fairseq.optim import OPTIMIZER_REGISTRY
 
+    fairseq_agg.register_with_fairseq()
     quiet_fairseq_logging()
 
     out = {}

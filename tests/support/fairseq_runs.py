@@ -11,7 +11,7 @@ import sys
 import pytest
 from synthetic_text import markov_sentences, write_lines
 
-# The plugin's --user-dir: the package, wherever it is installed.
+# The plugin's --user-dir: the fairseq_agg_plugin package beside fairseq_agg, wherever it is installed.
 from fairseq_agg import USER_DIR
 
 BIN_DIR = os.path.dirname(sys.executable)

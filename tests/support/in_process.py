@@ -67,8 +67,10 @@ def run_in_process(prog, entry, argv):
 
 def fairseq_train(argv):
     """``fairseq-train ARGV`` in this process (fairseq_cli.train:cli_main, its console script)."""
-    import fairseq_agg  # noqa: F401  what --user-dir imports in a process: the plugin and its hooks
+    import fairseq_agg
     from fairseq_cli import train
+
+    fairseq_agg.register_with_fairseq()  # what --user-dir does in a process: the plugin and its hooks
 
     return run_in_process("fairseq-train", train.cli_main, argv)
 
