@@ -122,6 +122,13 @@ def raised_within(tb, packages) -> bool:
     return False
 
 
+def print_usage_error(error):
+    """Prints ``PROG: error: MESSAGE`` on stderr, as argparse does, for a UsageError that ends a command."""
+    name = os.path.basename(sys.argv[0] or "fairseq") or "fairseq"
+    sys.stdout.flush()
+    print(f"{name}: error: {error}", file=sys.stderr)
+
+
 def report_usage_errors_in_one_line(within):
     """Makes an uncaught :class:`UsageError` raised inside the code of ``within`` (top-level
     package names: fairseq's, for its commands) print ``PROG: error: MESSAGE`` and exit with status 2.
@@ -138,9 +145,7 @@ def report_usage_errors_in_one_line(within):
     def hook(exc_type, exc, tb):
         usage_error = usage_error_behind(exc)
         if usage_error is not None and raised_within(tb, within):
-            name = os.path.basename(sys.argv[0] or "fairseq") or "fairseq"
-            sys.stdout.flush()
-            print(f"{name}: error: {usage_error}", file=sys.stderr)
+            print_usage_error(usage_error)
             sys.exit(2)
         previous(exc_type, exc, tb)
 

@@ -26,10 +26,9 @@ from study import report as R
 from study import store
 from study import tail_data
 from study.evaluate import projection_figure
-from study.harness.cli import VOCAB, check_args
+from study.harness.cli import VOCAB, check_args, exit_in_one_line
 from study.harness.progress import say
 from study.training import TAG, Context, run_part
-from study.harness.cli import exit_in_one_line
 
 
 # ---------------------------------------------------------------------------- the command line

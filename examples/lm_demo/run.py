@@ -27,13 +27,12 @@ from examples import textprep
 from examples.demo_common import Demo, build_parser
 from examples.lm_demo import bible, wordsim
 from study.harness import fairseq_commands
-from study.harness.cli import check_args
+from study.harness.cli import check_args, exit_in_one_line
 from study.harness.fairseq_logs import train_curve
 from study.harness.fairseq_commands import console_script, preprocess, run_logged
 from study.harness.figures import seed_band
 from study.harness.progress import minutes, say
 from study.harness.tables import mean_spread, write_json
-from study.harness.cli import exit_in_one_line
 
 # Every run shares the model shape and optimisation; methods change only what they are about.
 # Pre-LN GPT-style decoder (the setting of the MLRA paper), tied embeddings (needed by REAL,

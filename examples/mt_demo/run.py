@@ -24,11 +24,10 @@ from examples import textprep
 from examples.demo_common import Demo, build_parser
 from examples.mt_demo import data as mtdata
 from study.harness import fairseq_commands
-from study.harness.cli import check_args
+from study.harness.cli import check_args, exit_in_one_line
 from study.harness.fairseq_commands import USER_DIR, console_script, preprocess, run_logged
 from study.harness.progress import minutes, say
 from study.harness.tables import write_json
-from study.harness.cli import exit_in_one_line
 
 MODEL = {
     "default": ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "128",

@@ -1,9 +1,6 @@
 """The options the demos and the study share (each command line defines them itself) and their
 checks, and the one-line end of a command whose work refuses a path or a full disk."""
-import os
-import sys
-
-from fairseq_agg.errors import UsageError
+from fairseq_agg.errors import UsageError, print_usage_error
 
 # Both demos prepare one corpus for both modes; the output layer dominates the cost of such small
 # models, so the vocabulary is what keeps the default budget under 15 minutes.
@@ -33,5 +30,5 @@ def exit_in_one_line(main):
     try:
         return main()
     except UsageError as error:
-        print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr)
+        print_usage_error(error)
         return 2
