@@ -95,7 +95,8 @@ import torch
 from fairseq_agg.errors import UsageError
 from fairseq_agg.ops.augmented import aug_scale_factor
 from fairseq_agg.ops.foreign_kernels import load_foreign_kernel
-from fairseq_agg.ops.output_chunk import KERNELS as PACKAGE_KERNELS, compile_unavailable, describe_kernel
+from fairseq_agg.ops.output_kernel import BODIES as PACKAGE_KERNELS, compile_unavailable
+from fairseq_agg.ops.output_kernel import describe as describe_kernel
 
 from tests.support import output_layer_steps as steps
 from tests.support.output_layer_problem import (DTYPES, MIB, cuda_peak_bytes, matmul_floor, rel_diff, stock_loss,

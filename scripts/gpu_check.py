@@ -86,9 +86,10 @@ import torch
 from fairseq_agg import USER_DIR, __version__
 from fairseq_agg.errors import UsageError
 from fairseq_agg.ops.augmented import build_teacher
-from fairseq_agg.ops.foreign_kernels import DESCRIPTIONS as FOREIGN_DESCRIPTIONS, FOREIGN_KERNELS, load_foreign_kernel
+from fairseq_agg.ops.foreign_kernels import load_foreign_kernel
 from fairseq_agg.ops.fused_linear_loss import LossRequest, fused_linear_loss
-from fairseq_agg.ops.output_chunk import describe_kernel
+from fairseq_agg.ops.output_kernel import DESCRIPTIONS as FOREIGN_DESCRIPTIONS, FOREIGN_KERNELS
+from fairseq_agg.ops.output_kernel import describe as describe_kernel
 
 from tests.support.output_layer_problem import (DTYPES, MIB, PAD, OutputProblem, cuda_peak_bytes, matmul_floor,
                                                 rel_diff, stock_loss, torch_linear_ce, torch_linear_ce_missing,
@@ -329,8 +330,8 @@ def part_correctness(plan: Plan, device: torch.device):
             h = h_in.clone().requires_grad_(True)
             w = w_in.clone().requires_grad_(True)
             teacher = build_teacher(w.detach(), target, al["tau"], al["coef"], masked_columns=[PAD]) if use_al else None
-            out = fused_linear_loss(h, w, target, LossRequest(
-                eps, gates=gates if use_gates else None, teacher=teacher, chunk_size=plan.check_chunk))
+            out = fused_linear_loss(h, w, target, LossRequest(eps, chunk_size=plan.check_chunk).with_terms(
+                gates if use_gates else None, teacher))
             loss, nll = out.loss, out.nll
             loss.backward()
             h64 = h_in.double().requires_grad_(True)

@@ -200,10 +200,10 @@ def test_a_failing_part_is_recorded_and_the_next_still_runs(tmp_path):
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(
-        "from fairseq_agg.ops import output_chunk\n"
-        "def describe_kernel(*args, **kwargs):\n"
+        "from fairseq_agg.ops import output_kernel\n"
+        "def describe(*args, **kwargs):\n"
         "    raise RuntimeError('out of memory')\n"
-        "output_chunk.describe_kernel = describe_kernel\n")
+        "output_kernel.describe = describe\n")
     path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
     proc = _run_check(["--cpu-smoke", "--parts", "correctness,stats", "--out", str(tmp_path / "broken")],
                       {"PYTHONPATH": path})
