@@ -12,14 +12,14 @@ import dataclasses
 from typing import Optional
 
 from fairseq_agg.errors import UsageError
-from fairseq_agg.ops import output_chunk
+from fairseq_agg.ops import output_kernel
 from fairseq_agg.ops.augmented import aug_scale_factor, build_teacher
-from fairseq_agg.ops.foreign_kernels import DESCRIPTIONS, FOREIGN_KERNELS, load_foreign_kernel
+from fairseq_agg.ops.foreign_kernels import load_foreign_kernel
 from fairseq_agg.ops.fused_linear_loss import LossRequest, fused_linear_loss
 
 DEFAULT_KERNEL = "auto"  # what a LossRequest runs unless told otherwise
-PACKAGE_KERNELS = tuple(output_chunk.KERNELS)  # the package's own chunk body: auto, eager, compiled
-FOREIGN_KERNELS = tuple(FOREIGN_KERNELS)  # the package's request on another library's kernel
+PACKAGE_KERNELS = tuple(output_kernel.BODIES)  # the package's own chunk body: auto, eager, compiled
+FOREIGN_KERNELS = tuple(output_kernel.FOREIGN_KERNELS)  # the package's request on another library's kernel
 
 
 class NotApplicable(Exception):
@@ -39,12 +39,12 @@ def run_package_step(step, *args):
 # --------------------------------------------------------------------------- kernels
 def describe_path(kernel: str, device) -> str:
     """One line: which path the package's ``kernel`` (auto, eager, compiled) runs on ``device``."""
-    return output_chunk.describe_kernel(kernel, device)
+    return output_kernel.describe(kernel, device)
 
 
 def compile_problem(device) -> Optional[str]:
     """Why torch.compile cannot generate the chunk body on ``device``, or None."""
-    return output_chunk.compile_unavailable(device)
+    return output_kernel.compile_unavailable(device)
 
 
 def foreign_kernel_problem(kernel: str) -> Optional[str]:
@@ -57,13 +57,13 @@ def foreign_kernel_problem(kernel: str) -> Optional[str]:
 
 
 def foreign_kernel_description(kernel: str) -> str:
-    return DESCRIPTIONS[kernel]
+    return output_kernel.DESCRIPTIONS[kernel]
 
 
 # --------------------------------------------------------------------------- the fused layer itself
 def fused_loss(hidden, weight, target, eps, chunk, gates=None, teacher=None):
     """(loss, NLL) of the package's fused output layer on its default kernel, graph attached."""
-    out = fused_linear_loss(hidden, weight, target, LossRequest(eps, gates=gates, teacher=teacher, chunk_size=chunk))
+    out = fused_linear_loss(hidden, weight, target, LossRequest(eps, chunk_size=chunk).with_terms(gates, teacher))
     return out.loss, out.nll
 
 

@@ -68,7 +68,7 @@ def problem_targets(n, seed=0):
 
 
 def run_fused(hidden_fn, params, target, eps, gates, chunk):
-    out = fused_linear_loss(*hidden_fn(*params), target, LossRequest(eps, gates=gates, chunk_size=chunk))
+    out = fused_linear_loss(*hidden_fn(*params), target, LossRequest(eps, terms=(gates,), chunk_size=chunk))
     loss, nll = out.loss, out.nll
     loss.backward()
     return loss.detach(), nll.detach(), [p.grad.clone() for p in params]
@@ -225,7 +225,7 @@ def test_fused_gradients_equal_hand_built_gamma_formula(eps):
     want_loss = -(q * np.log(p)).sum()
 
     h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
-    loss = fused_linear_loss(h, w, TINY_TARGETS, LossRequest(eps, gates=tiny_gates(), chunk_size=3)).loss
+    loss = fused_linear_loss(h, w, TINY_TARGETS, LossRequest(eps, terms=(tiny_gates(),), chunk_size=3)).loss
     loss.backward()
     np.testing.assert_allclose(loss.item(), want_loss, rtol=1e-6)
     np.testing.assert_allclose(h.grad.numpy(), want_dh, rtol=1e-5, atol=1e-6)
@@ -247,7 +247,7 @@ def test_effective_gate_per_context(eps):
         grads = {}
         for name, gt in (("gated", gates), ("plain", None)):
             h, w = h_row.clone().requires_grad_(), w0.clone().requires_grad_()
-            fused_linear_loss(h, w, y, LossRequest(eps, gates=gt)).loss.backward()
+            fused_linear_loss(h, w, y, LossRequest(eps, terms=(gt,))).loss.backward()
             grads[name] = (h.grad.clone(), w.grad.clone())
         # hidden-state gradient: exactly the plain CE one
         assert torch.allclose(grads["gated"][0], grads["plain"][0], rtol=0, atol=1e-7)
@@ -268,7 +268,7 @@ def test_rare_token_gradient_decomposition():
     h0, w0 = tiny_problem(13)
     gates = tiny_gates()
     h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
-    fused_linear_loss(h, w, TINY_TARGETS, LossRequest(0.0, gates=gates)).loss.backward()
+    fused_linear_loss(h, w, TINY_TARGETS, LossRequest(0.0, terms=(gates,))).loss.backward()
     with torch.no_grad():
         p = torch.softmax(h0 @ w0.t(), dim=-1)
         grad_logits = p - F.one_hot(TINY_TARGETS, 8).float()
@@ -315,7 +315,7 @@ def test_gated_function_float64_matches_reference_autograd():
     w0 = torch.randn(8, 5, generator=g, dtype=torch.float64)
     gates = tiny_gates()
     h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
-    fused_linear_loss(h, w, TINY_TARGETS, LossRequest(0.1, gates=gates, chunk_size=2)).loss.backward()
+    fused_linear_loss(h, w, TINY_TARGETS, LossRequest(0.1, terms=(gates,), chunk_size=2)).loss.backward()
     hr, wr = h0.clone().requires_grad_(), w0.clone().requires_grad_()
     reference_output_loss(hr, wr, TINY_TARGETS, 0.1, gates=gates)[0].backward()
     assert h.grad.dtype == torch.float64 and w.grad.dtype == torch.float64

@@ -21,10 +21,13 @@ from fairseq_agg.ops.fused_linear_loss import LossRequest, fused_linear_loss
 from reference_constructions import gate_matrix, reference_output_loss, reference_teacher
 
 
-def fused(hidden, weight, target, epsilon, **terms):
-    """(loss, nll, aug_kl) of the fused layer with label smoothing ``epsilon`` and ``terms``."""
-    out = fused_linear_loss(hidden, weight, target, LossRequest(epsilon, **terms))
-    return out.loss, out.nll, out.aug_kl
+def fused(hidden, weight, target, epsilon, gates=None, teacher=None, **options):
+    """(loss, nll, the augmented loss's KL, 0 without a teacher) of the fused layer with label
+    smoothing ``epsilon``, AGG's ``gates`` and the ``teacher``."""
+    request = LossRequest(epsilon, **options).with_terms(gates, teacher)
+    out = fused_linear_loss(hidden, weight, target, request)
+    assert ("augmented" in out.terms) == (teacher is not None)
+    return out.loss, out.nll, out.terms.get("augmented", {}).get("kl", torch.zeros((), dtype=out.nll.dtype))
 
 torch.set_num_threads(2)
 

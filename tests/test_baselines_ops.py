@@ -14,6 +14,7 @@ import torch
 from fairseq_agg.ops.cosreg import cosine_regularizer
 from fairseq_agg.ops.counting import CumulativeCounts
 from fairseq_agg.ops.face import FaceWeights, counted_ids, face_post_weights, face_token_weights
+from fairseq_agg.ops.freezing import FrozenRows
 from fairseq_agg.ops.fused_linear_loss import LossRequest, fused_linear_loss
 from fairseq_agg.ops.output_chunk import Tile
 from fairseq_agg.ops.unlikelihood import UnlikelihoodCandidates, first_occurrences, unlikelihood_candidates
@@ -210,9 +211,10 @@ def ul_terms_of(logits, candidates, alpha=1.0, clamp=1e-5):
     table = torch.tensor([list(candidates)])
     cands = UnlikelihoodCandidates(table, torch.tensor([0]), torch.tensor([len(candidates)]), alpha, clamp)
     tile = Tile(z.unsqueeze(0), target, logits.dtype, with_argmax=False)
-    term = cands.tile_term(tile, cands.tile_inputs(slice(0, 1), target, logits.dtype))
+    term = cands.tile(tile, cands.tile_inputs(slice(0, 1), target, logits.dtype))
     grad = term.grad[0].scatter_add(0, term.columns[0], term.column_grad[0])[:v]
-    return term.value[0], grad, int(term.count.sum())
+    value, count = term.values
+    return value[0], grad, int(count.sum())
 
 
 def test_ul_hand_gradient_and_clamp():
@@ -296,13 +298,13 @@ def test_fused_unlikelihood_equals_the_direct_reference(tied, eps):
         params = fresh(base)
         hidden, weight = fn(*params)
         cands = unlikelihood_candidates(target, keep, PAD, alpha)
-        out = fused_linear_loss(hidden[keep], weight, flat[keep], LossRequest(eps, penalty=cands, chunk_size=chunk))
+        out = fused_linear_loss(hidden[keep], weight, flat[keep], LossRequest(eps, terms=(cands,), chunk_size=chunk))
         loss, nll = out.loss, out.nll
         grads = grads_of(loss, params)
         assert rel_err(loss, want_loss) <= 1e-6, chunk
         assert rel_err(nll, want_nll) <= 1e-6, chunk
-        assert rel_err(out.penalty, want_ul) <= 1e-6, chunk
-        assert out.penalty_candidates.item() == sum(
+        assert rel_err(out.terms["unlikelihood"]["penalty"], want_ul) <= 1e-6, chunk
+        assert out.terms["unlikelihood"]["candidates"].item() == sum(
             len(s) for row in reference_candidate_sets(target, PAD) for s in row if s
         )
         for got, want in zip(grads, want_grads):
@@ -342,14 +344,14 @@ def test_fused_face_equals_the_direct_reference(tied, eps, weighing):
             token_weight=face_token_weights(counts) if weighing == "pre" else None,
             counts=counts if weighing == "post" else None,
         )
-        request = LossRequest(eps, row_weights=face, chunk_size=chunk, record_argmax=True)
+        request = LossRequest(eps, terms=(face,), chunk_size=chunk, record_argmax=True)
         out = fused_linear_loss(hidden[keep], weight, y, request)
         loss, nll = out.loss, out.nll
         grads = grads_of(loss, params)
         assert rel_err(loss, want_loss) <= 1e-6, chunk
         assert rel_err(nll, want_nll) <= 1e-6, chunk
         assert torch.equal(out.argmax, logits.argmax(1))  # the "out" counts of this micro-batch
-        assert rel_err(out.row_weight_sum, row_weight.sum()) <= 1e-6
+        assert rel_err(out.terms["face"]["weight"], row_weight.sum()) <= 1e-6
         for got, want in zip(grads, want_grads):
             assert rel_err(got, want) <= 1e-6, (chunk, rel_err(got, want))
 
@@ -376,7 +378,8 @@ def test_fused_freezing_zeroes_rare_rows_and_keeps_everything_else(tied, eps):
             params = fresh(base)
             hidden, weight = fn(*params)
             weight_out = weight.view_as(weight)  # its own node: the output side's gradient alone
-            loss = fused_linear_loss(hidden[keep], weight_out, y, LossRequest(eps, frozen_rows=frozen, chunk_size=chunk)).loss
+            terms = () if frozen is None else (FrozenRows(frozen),)
+            loss = fused_linear_loss(hidden[keep], weight_out, y, LossRequest(eps, terms=terms, chunk_size=chunk)).loss
             out_grad, hidden_grad = torch.autograd.grad(loss, [weight_out, hidden], retain_graph=True)
             runs[name] = (loss.detach(), out_grad, hidden_grad, grads_of(loss, params))
         loss, out_grad, hidden_grad, grads = runs["frozen"]
@@ -402,13 +405,12 @@ def test_fused_gradcheck_float64(method):
     counts = torch.tensor([0, 0, 5, 9, 2, 0, 7, 1, 4])
 
     def loss_of(h, w):
-        kwargs = {}
         if method == "ul":
-            kwargs["penalty"] = unlikelihood_candidates(target, keep, PAD, alpha=0.7)
+            term = unlikelihood_candidates(target, keep, PAD, alpha=0.7)
         elif method == "face-pre":
-            kwargs["row_weights"] = FaceWeights(token_weight=face_token_weights(counts).double())
+            term = FaceWeights(token_weight=face_token_weights(counts).double())
         else:
-            kwargs["row_weights"] = FaceWeights(counts=counts)
-        return fused_linear_loss(h, w, flat[keep], LossRequest(0.1, chunk_size=3, **kwargs)).loss
+            term = FaceWeights(counts=counts)
+        return fused_linear_loss(h, w, flat[keep], LossRequest(0.1, terms=(term,), chunk_size=3)).loss
 
     assert torch.autograd.gradcheck(loss_of, (hidden, weight))

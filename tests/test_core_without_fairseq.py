@@ -223,7 +223,7 @@ def plain_loop_method(name, vocab_size, dictionary):
 
         def loss(hidden, weight, embedding, target, update_num):
             gates = agg.step(target, update_num)
-            return augmented(hidden, weight, embedding, target, update_num=update_num, request=LossRequest(gates=gates))
+            return augmented(hidden, weight, embedding, target, update_num=update_num, request=LossRequest(terms=(gates,)))
 
         def ungated(hidden, weight, embedding, target):
             return augmented(hidden, weight, embedding, target)
@@ -231,8 +231,8 @@ def plain_loop_method(name, vocab_size, dictionary):
         freezing = RareFreezing(vocab_size)
 
         def loss(hidden, weight, embedding, target, update_num):
-            frozen = freezing.rows(update_num, agg.step(target, update_num))
-            return fused_linear_loss(hidden, weight, target, LossRequest(frozen_rows=frozen))
+            frozen = freezing.terms(update_num, agg.step(target, update_num))
+            return fused_linear_loss(hidden, weight, target, LossRequest(terms=frozen))
 
         def ungated(hidden, weight, embedding, target):
             return fused_linear_loss(hidden, weight, target)

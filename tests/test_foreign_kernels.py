@@ -1,8 +1,8 @@
 """Another fused linear cross-entropy behind the package's contract (``LossRequest(kernel=...)``):
 PyTorch's own ``F.linear_cross_entropy``, which this torch has on the CPU, stands in for every
-foreign kernel. Plain CE, label smoothing, freezing and AGG (through the algebra of
-fairseq_agg/ops/foreign_kernels.py: two un-gated calls, a per-row dW scale and an O(N d)
-correction at the rare targets) equal the package's own chunk body in float64 (1e-12) and fp32;
+foreign kernel. Plain CE, label smoothing, freezing and AGG (through its algebra in
+fairseq_agg/ops/agg_gates.py: two un-gated calls, a per-row dW scale and an O(N d) correction at
+the rare targets) equal the package's own chunk body in float64 (1e-12) and fp32;
 what such a kernel cannot compute, or a kernel that is not installed, is one UsageError."""
 import importlib.util
 
@@ -11,7 +11,9 @@ import torch
 
 from fairseq_agg.errors import UsageError
 from fairseq_agg.ops import LossRequest, agg_gates, build_teacher, fused_linear_loss
-from fairseq_agg.ops.foreign_kernels import target_column_correction, torch_smoothing
+from fairseq_agg.ops.agg_gates import target_column_correction
+from fairseq_agg.ops.foreign_kernels import torch_smoothing
+from fairseq_agg.ops.freezing import FrozenRows
 
 HAS_TORCH_LCE = hasattr(torch.nn.functional, "linear_cross_entropy")
 needs_torch_lce = pytest.mark.skipif(not HAS_TORCH_LCE, reason=f"torch {torch.__version__} has no F.linear_cross_entropy")
@@ -40,8 +42,8 @@ def run(kernel, dtype, epsilon, agg, freeze, per_token):
     hidden, weight, target, gates = problem(dtype)
     hidden.requires_grad_(True)
     weight.requires_grad_(True)
-    request = LossRequest(epsilon, gates=gates if agg else None, frozen_rows=gates.rare if freeze else None,
-                          per_token=per_token, chunk_size=16, kernel=kernel)
+    request = LossRequest(epsilon, per_token=per_token, chunk_size=16, kernel=kernel).with_terms(
+        gates if agg else None, FrozenRows(gates.rare) if freeze else None)
     out = fused_linear_loss(hidden, weight, target, request)
     upstream = torch.linspace(0.3, 1.7, N, dtype=out.loss.dtype) if per_token else 1.0
     (out.loss * upstream).sum().backward()
@@ -85,7 +87,7 @@ def test_what_a_foreign_kernel_cannot_compute_is_refused():
     hidden, weight, target, _ = problem(torch.float32)
     teacher = build_teacher(weight, target, 2.0, 1.0)
     with pytest.raises(UsageError, match=r"--output-kernel torch cannot compute the augmented loss"):
-        fused_linear_loss(hidden, weight, target, LossRequest(teacher=teacher, kernel="torch"))
+        fused_linear_loss(hidden, weight, target, LossRequest(terms=(teacher,), kernel="torch"))
     with pytest.raises(UsageError, match=r"--output-kernel must be one of"):
         LossRequest(kernel="triton")
 

@@ -16,7 +16,7 @@ import torch
 
 from fairseq_agg.errors import UsageError
 from fairseq_agg.ops import (
-    AggLoss, AugmentedLoss, CosRegLoss, CumulativeCounts, FaceLoss, FaceWeights, LossRequest, RareFreezing,
+    AggLoss, AugmentedLoss, CosRegLoss, CumulativeCounts, FaceLoss, FaceWeights, FrozenRows, LossRequest, RareFreezing,
     RareTokenWindow, TokenGates, UnlikelihoodLoss, agg_gates, augmented_kl_direct, build_teacher,
     face_token_weights, fused_linear_loss, unlikelihood_candidates,
 )
@@ -134,11 +134,11 @@ def requests_for(padded, keep, target, rows):
         return build_teacher(embedding, target[rows], 2.0, 0.8, masked_columns=[1], gate_with_agg=gate_with_agg)
 
     return {
-        "agg+al": LossRequest(0.1, gates=gates_of(1), teacher=teacher(False), chunk_size=3),
-        "agg+al-gated": LossRequest(0.0, gates=gates_of(2), teacher=teacher(True), chunk_size=4),
-        "face-pre": LossRequest(0.1, row_weights=FaceWeights(token_weight=face_token_weights(counts).double())),
-        "face-post": LossRequest(0.0, row_weights=FaceWeights(counts=counts), chunk_size=2),
-        "ul+freeze": LossRequest(0.1, penalty=candidates, frozen_rows=gates_of(3).rare, chunk_size=5),
+        "agg+al": LossRequest(0.1, terms=(gates_of(1), teacher(False)), chunk_size=3),
+        "agg+al-gated": LossRequest(0.0, terms=(gates_of(2), teacher(True)), chunk_size=4),
+        "face-pre": LossRequest(0.1, terms=(FaceWeights(token_weight=face_token_weights(counts).double()),)),
+        "face-post": LossRequest(0.0, terms=(FaceWeights(counts=counts),), chunk_size=2),
+        "ul+freeze": LossRequest(0.1, terms=(candidates, FrozenRows(gates_of(3).rare)), chunk_size=5),
     }
 
 
@@ -155,7 +155,11 @@ def test_per_token_losses_sum_to_the_loss_and_weight_each_tokens_gradient(case):
     per_token = fused_linear_loss(h, w, target, request)
     assert per_token.loss.shape == per_token.nll.shape == (n,)
     assert rel_err(per_token.loss.sum(), summed.loss) <= 1e-12 and rel_err(per_token.nll.sum(), summed.nll) <= 1e-12
-    assert rel_err(per_token.aug_kl, summed.aug_kl) <= 1e-12 if "al" in case else per_token.aug_kl == 0
+    assert ("augmented" in per_token.terms) == ("al" in case)
+    assert per_token.terms.keys() == summed.terms.keys()
+    for term, values in summed.terms.items():
+        for name, value in values.items():
+            assert rel_err(per_token.terms[term][name], value) <= 1e-12, (term, name)
 
     token_weights = torch.linspace(-1.0, 2.0, n, dtype=torch.float64)
     (token_weights * per_token.loss).sum().backward()
@@ -201,7 +205,8 @@ def test_per_token_losses_of_the_method_objects():
     summed = al(hidden, weight, weight, target)
     per_token = al(hidden, weight, weight, target, request=LossRequest(per_token=True))
     assert per_token.loss.shape == (target.numel(),)
-    assert rel_err(per_token.loss.sum(), summed.loss) <= 1e-12 and rel_err(per_token.aug_kl, summed.aug_kl) <= 1e-12
+    kl, summed_kl = per_token.terms["augmented"]["kl"], summed.terms["augmented"]["kl"]
+    assert rel_err(per_token.loss.sum(), summed.loss) <= 1e-12 and rel_err(kl, summed_kl) <= 1e-12
     ul = UnlikelihoodLoss(alpha=0.7)
     assert rel_err(ul(hidden, weight, padded, keep, LossRequest(per_token=True)).loss.sum(),
                    ul(hidden, weight, padded, keep).loss) <= 1e-12

@@ -16,14 +16,15 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 from fairseq_agg.ops import (
-    FaceWeights, LossRequest, agg_gates, build_teacher, fused_linear_loss, output_chunk, unlikelihood_candidates,
+    FaceWeights, FrozenRows, LossRequest, agg_gates, build_teacher, fused_linear_loss, output_kernel,
+    unlikelihood_candidates,
 )
 from fairseq_agg.ops.fused_linear_loss import chunk_bounds
 from fairseq_agg.ops.output_chunk import Tile
 from reference_constructions import gate_matrix
 
-pytestmark = pytest.mark.skipif(output_chunk.compile_unavailable(torch.device("cpu")) is not None,
-                                reason=str(output_chunk.compile_unavailable(torch.device("cpu"))))
+pytestmark = pytest.mark.skipif(output_kernel.compile_unavailable(torch.device("cpu")) is not None,
+                                reason=str(output_kernel.compile_unavailable(torch.device("cpu"))))
 
 N, D, V, CHUNK, T = 37, 8, 53, 16, 6  # rows not a multiple of the chunk; UL sequences of T tokens (padded)
 PAD, NSPECIAL = 1, 4
@@ -60,33 +61,36 @@ class Problem:
                 self.weight64.to(self.dtype, copy=True).requires_grad_(True))
 
     def request(self, case, kernel, per_token=False):
-        terms = {}
+        terms = []
         methods = case.split("+")
-        if "ls" in methods:
-            terms["label_smoothing"] = 0.1
         if "agg" in methods:
-            terms["gates"] = self.gates
+            terms.append(self.gates)
         if "freeze" in methods:
-            terms["frozen_rows"] = self.gates.rare
+            terms.append(FrozenRows(self.gates.rare))
         if "al" in methods or "algated" in methods:
-            terms["teacher"] = build_teacher(self.weight64.to(self.dtype), self.target, 2.0, 0.7,
-                                             masked_columns=[PAD], gate_with_agg="algated" in methods)
+            terms.append(build_teacher(self.weight64.to(self.dtype), self.target, 2.0, 0.7,
+                                       masked_columns=[PAD], gate_with_agg="algated" in methods))
         if "facepre" in methods:
-            terms["row_weights"] = FaceWeights(token_weight=torch.rand(V, generator=torch.Generator().manual_seed(3)))
+            terms.append(FaceWeights(token_weight=torch.rand(V, generator=torch.Generator().manual_seed(3))))
         if "facepost" in methods:
-            terms["row_weights"] = FaceWeights(counts=self.counts)
+            terms.append(FaceWeights(counts=self.counts))
         if "ul" in methods:
-            terms["penalty"] = unlikelihood_candidates(self.padded, self.keep, PAD, alpha=0.8)
-        return LossRequest(chunk_size=CHUNK, per_token=per_token, kernel=kernel, **terms)
+            terms.append(unlikelihood_candidates(self.padded, self.keep, PAD, alpha=0.8))
+        return LossRequest(0.1 if "ls" in methods else 0.0, terms=tuple(terms), chunk_size=CHUNK,
+                           per_token=per_token, kernel=kernel)
 
     def run(self, case, kernel, per_token=False):
-        """loss, nll, aux values, dH, dW (and the argmax where recorded)."""
+        """{name: loss, nll and each term's logged value}, dH, dW, the penalty candidates (or None)
+        and the argmax where recorded."""
         hidden, weight = self.leaves()
         out = fused_linear_loss(hidden, weight, self.target, self.request(case, kernel, per_token))
         upstream = torch.linspace(0.5, 2.0, N, dtype=out.loss.dtype) if per_token else 1.0
         (out.loss * upstream).sum().backward()
-        values = [out.loss.detach(), out.nll, out.aug_kl, out.penalty, out.row_weight_sum]
-        return values, hidden.grad, weight.grad, out.penalty_candidates, out.argmax
+        values = {"loss": out.loss.detach(), "nll": out.nll}
+        values.update({f"{term}.{name}": value for term, logged in out.terms.items() for name, value in logged.items()
+                       if (term, name) != ("unlikelihood", "candidates")})
+        candidates = out.terms.get("unlikelihood", {}).get("candidates")
+        return values, hidden.grad, weight.grad, candidates, out.argmax
 
 
 CASES = ["ce", "ls", "agg", "agg+ls", "freeze", "al", "agg+al", "agg+algated+ls", "facepre", "facepost", "ul",
@@ -101,17 +105,19 @@ def test_compiled_body_equals_eager_and_float64(case, dtype):
     eager = problem.run(case, "eager")
     reference = Problem(torch.float64).run(case, "eager")
     tol = TOLERANCE[dtype]
-    names = ["loss", "nll", "aug_kl", "penalty", "row_weight_sum"]
-    for name, got, want in zip(names, compiled[0], reference[0]):
+    assert compiled[0].keys() == eager[0].keys() == reference[0].keys()
+    for name, want in reference[0].items():
         if want.abs().max() > 0:
-            assert rel(got, want) <= tol, (name, rel(got, want))
+            assert rel(compiled[0][name], want) <= tol, (name, rel(compiled[0][name], want))
     assert rel(compiled[1], reference[1]) <= tol and rel(compiled[2], reference[2]) <= tol
-    assert int(compiled[3]) == int(reference[3])  # penalty candidates
+    assert (compiled[3] is None) == (reference[3] is None) == ("ul" not in case)
+    if compiled[3] is not None:
+        assert int(compiled[3]) == int(reference[3]) == int(eager[3])  # penalty candidates
     if compiled[4] is not None:  # FACE's argmax: the same rows, up to ties under rounding
         assert (compiled[4] == reference[4]).float().mean() >= (1.0 if dtype != torch.bfloat16 else 0.8)
     # the two paths of the same dtype agree at least as well as either agrees with float64
     same = 1e-12 if dtype == torch.float64 else tol
-    for got, want in zip([*compiled[0], compiled[1], compiled[2]], [*eager[0], eager[1], eager[2]]):
+    for got, want in zip([*compiled[0].values(), compiled[1], compiled[2]], [*eager[0].values(), eager[1], eager[2]]):
         if want.abs().max() > 0:
             assert rel(got, want) <= same
 
@@ -121,8 +127,8 @@ def test_per_token_losses_and_their_gradients_compiled(case):
     problem = Problem(torch.float32)
     compiled, eager = problem.run(case, "compiled", per_token=True), problem.run(case, "eager", per_token=True)
     reference = Problem(torch.float64).run(case, "eager", per_token=True)
-    assert compiled[0][0].shape == (N,)
-    for got, want in [(compiled[0][0], reference[0][0]), (compiled[0][1], reference[0][1]),
+    assert compiled[0]["loss"].shape == (N,)
+    for got, want in [(compiled[0]["loss"], reference[0]["loss"]), (compiled[0]["nll"], reference[0]["nll"]),
                       (compiled[1], reference[1]), (compiled[2], reference[2])]:
         assert rel(got, want) <= 2e-5
     assert rel(compiled[1], eager[1]) <= 2e-5 and rel(compiled[2], eager[2]) <= 2e-5
@@ -151,9 +157,9 @@ def test_gate_factor_is_the_hand_written_gate_matrix():
     problem = Problem(torch.float64)
     z = torch.randn(N, V, dtype=torch.float64)
     tile = Tile(z, problem.target, torch.float64, with_argmax=False)
-    inputs = problem.gates.tile_inputs(problem.target)
+    inputs = problem.gates.tile_inputs(slice(0, N), problem.target, torch.float64)
     gamma = gate_matrix(problem.target, problem.gates).double()
-    assert torch.equal(problem.gates.tile_gate(tile, inputs).double(), gamma)  # the body's factor
+    assert torch.equal(problem.gates.tile(tile, inputs).factor.double(), gamma)  # the body's factor
     in_place = z.clone()
     problem.gates.gate_in_place(in_place, problem.target)  # the pass after dH (on a CPU)
     assert torch.equal(in_place, gamma * z)
@@ -164,7 +170,7 @@ def _own_compiled_bodies():
     """Compiled bodies and gate passes of this test's own (new code objects, so Dynamo compiles them afresh and
     counts their graphs), without resetting Dynamo or dropping the bodies the rest of the process
     compiled: those are put back afterwards, so no later test compiles them again."""
-    caches = (output_chunk._compiled, output_chunk._compiled_gates)
+    caches = (output_kernel._compiled, output_kernel._compiled_in_place)
     kept = [dict(cache) for cache in caches]
     for cache in caches:
         cache.clear()
@@ -254,9 +260,9 @@ def test_a_torch_without_the_compiled_bodys_settings_runs_eager_and_says_why(mon
     # import: a torch that lacks them (another version) runs the eager body, and says why
     monkeypatch.setitem(sys.modules, "torch.fx.experimental._config", private_config)
     cpu = torch.device("cpu")
-    reason = output_chunk.compile_unavailable(cpu)
+    reason = output_kernel.compile_unavailable(cpu)
     assert reason.startswith(f"torch {torch.__version__} ") and "torch.fx.experimental._config" in reason
-    assert output_chunk.resolve_kernel("auto", cpu) == "eager"
-    assert output_chunk.describe_kernel("auto", cpu) == f"eager chunk body ({reason})"
+    assert output_kernel.resolve_body("auto", cpu) == "eager"
+    assert output_kernel.describe("auto", cpu) == f"eager chunk body ({reason})"
     with pytest.raises(RuntimeError, match="output kernel 'compiled' is not available on cpu"):
-        output_chunk.resolve_kernel("compiled", cpu)
+        output_kernel.resolve_body("compiled", cpu)

@@ -10,8 +10,8 @@ by default). Counts move only in training, are summed over data-parallel ranks, 
 the checkpoint, so a resumed run continues with the same counts and gates. The method is
 :class:`fairseq_agg.ops.AggLoss` (the math in :mod:`fairseq_agg.ops.agg_gates`), rare-token
 freezing :class:`fairseq_agg.ops.RareFreezing`; ``--aug-alpha`` adds the augmented loss in the same
-fused pass (:mod:`fairseq_agg.criterions.augmented_loss`). :meth:`AggCriterion.forward` is the whole
-step.
+fused pass (:mod:`fairseq_agg.criterions.augmented_loss`; with it off, the step never passes
+through it). :meth:`AggCriterion.forward` is the whole step.
 """
 import logging
 from dataclasses import dataclass, field
@@ -23,7 +23,7 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq_agg.fairseq_facts.dictionary import nspecial
 from fairseq_agg.fairseq_facts.distributed import data_parallel_group, data_parallel_world_size
 from fairseq_agg.fairseq_facts.training_loop import is_translation_task, updates_per_epoch
-from fairseq_agg.ops import AggLoss, RareFreezing, gate_statistics
+from fairseq_agg.ops import AggLoss, RareFreezing, TeacherTargets, fused_linear_loss, gate_statistics
 from fairseq_agg.ops.agg_gates import resolve_threshold
 from fairseq_agg.stats.groups import frequency_groups, parse_fractions
 
@@ -120,8 +120,9 @@ class AggCriterion(OutputLossCriterion):
         refuse_without(cfg, AggCriterionConfig, ["agg_freeze_set", "agg_freeze_until_update"], cfg.agg_freeze_rare,
                        "--agg-freeze-rare")
         self.freezing = freezing if cfg.agg_freeze_rare else None
-        self.augmented = augmented_loss_from_config(cfg, self.dictionary)
-        self.refuse_output_kernel(teacher=self.augmented.fused_teacher)
+        augmented = augmented_loss_from_config(cfg, self.dictionary)  # validates the --aug-* flags
+        self.augmented = augmented if augmented.alpha > 0 else None  # off: the step never reaches it
+        self.refuse_output_kernel(*([TeacherTargets] if augmented.fused_teacher else []))
         self.keep_in_checkpoints("agg_restart_counts", window=self.agg.counter)  # the window travels with every checkpoint
         # public, for inspection: the gates of the latest training micro-batch (None after validation)
         self.last_gates = None
@@ -136,7 +137,8 @@ class AggCriterion(OutputLossCriterion):
 
     def check_model(self, model):
         weight = super().check_model(model)
-        teacher_matrix(model, self.cfg.aug_embed, self.augmented)  # refuses a model without one
+        if self.augmented is not None:
+            teacher_matrix(model, self.cfg.aug_embed, self.augmented)  # refuses a model without one
         return weight
 
     def log_threshold(self):
@@ -158,32 +160,29 @@ class AggCriterion(OutputLossCriterion):
 
     def forward(self, model, sample, reduce=True):
         batch = self.output_batch(model, sample)
-        request = self.loss_request(reduce)
         # Training only: count this micro-batch's targets into the window (a dummy batch counts
         # nothing but still joins the sum over the ranks), then gate, or freeze, its gradient.
         # Validation moves no counts and needs no gates (no gradient).
         update_num = self.loop.training_update(model, self.name)
-        self.last_gates = None
+        self.last_gates, frozen, extra = None, None, {}
         if update_num is not None:
             counted = batch.target[:0] if self.loop.ignore_grad else batch.target
             self.last_gates = self.agg.step(counted, update_num)
             if self.freezing is not None:  # freezing replaces the gates: plain CE on every other row
-                request.frozen_rows = self.freezing.rows(update_num, self.last_gates, batch.target.device)
+                frozen = self.freezing.terms(update_num, self.last_gates, batch.target.device)
+                extra = {"agg_freeze_steps": 1, "agg_frozen": frozen[0].mask.sum()} if frozen else {}
             else:
-                request.gates = self.last_gates
-        # The augmented loss (--aug-alpha > 0) joins the same fused pass; with alpha 0 this is the
-        # fused layer alone.
-        embedding = teacher_matrix(model, self.cfg.aug_embed, self.augmented)
-        result = self.augmented(batch.hidden, batch.weight, embedding, batch.target, self.loop.update_num, request)
-
+                extra = {"agg_steps": 1, **gate_statistics(self.last_gates)}
+        request = self.batch_request(reduce, *((self.last_gates,) if frozen is None else frozen))
+        if self.augmented is None:
+            result = fused_linear_loss(batch.hidden, batch.weight, batch.target, request)
+        else:  # the augmented loss (--aug-alpha > 0) joins the same fused pass
+            embedding = teacher_matrix(model, self.cfg.aug_embed, self.augmented)
+            result = self.augmented(batch.hidden, batch.weight, embedding, batch.target, self.loop.update_num, request)
+            extra = {**augmented_logging(self.augmented, result, self.loop.update_num), **extra}
         loss = result.loss
         if self.cfg.agg_legacy_double_loss:  # the released code's 2 x CE value; gradients unchanged
             loss = loss + loss.detach()
-        extra = augmented_logging(self.augmented, result, self.loop.update_num)
-        if request.frozen_rows is not None:
-            extra.update(agg_freeze_steps=1, agg_frozen=request.frozen_rows.sum())
-        elif request.gates is not None:
-            extra.update(agg_steps=1, **gate_statistics(request.gates))
         return self.finish(model, batch, loss, result, extra)
 
     @classmethod

@@ -22,7 +22,7 @@ from fairseq.dataclass import ChoiceEnum
 
 from fairseq_agg.errors import UsageError
 from fairseq_agg.fairseq_facts.dictionary import never_real_ids
-from fairseq_agg.ops import AugmentedLoss
+from fairseq_agg.ops import AugmentedLoss, TeacherTargets
 from fairseq_agg.ops.augmented import SCALES
 
 from .output_loss import OutputLossConfig, OutputLossCriterion, logged_total, output_projection_weight, refuse_without
@@ -98,7 +98,7 @@ def augmented_logging(augmented: AugmentedLoss, result, update_num) -> dict:
     alpha = augmented.alpha_at(update_num)
     if alpha <= 0:
         return {}
-    return {"aug_loss": result.aug_kl.data, "aug_alpha": alpha, "aug_steps": 1}
+    return {"aug_loss": result.terms[TeacherTargets.name]["kl"].data, "aug_alpha": alpha, "aug_steps": 1}
 
 
 def reduce_augmented_metrics(logging_outputs):
@@ -118,7 +118,7 @@ class AugmentedLossCriterion(OutputLossCriterion):
         refuse_without(cfg, AugmentedLossConfig, ["aug_gate_with_agg"], False, "--criterion cross_entropy_agg")
         super().__init__(task, cfg, "augmented_loss")
         self.augmented = augmented_loss_from_config(cfg, self.dictionary)
-        self.refuse_output_kernel(teacher=self.augmented.fused_teacher)
+        self.refuse_output_kernel(*([TeacherTargets] if self.augmented.fused_teacher else []))
 
     def check_model(self, model):
         weight = super().check_model(model)
@@ -130,7 +130,7 @@ class AugmentedLossCriterion(OutputLossCriterion):
         update_num = self.loop.update_num  # alpha's warm-up follows the training updates
         embedding = teacher_matrix(model, self.cfg.aug_embed, self.augmented)
         result = self.augmented(batch.hidden, batch.weight, embedding, batch.target, update_num,
-                                self.loss_request(reduce))
+                                self.batch_request(reduce))
         return self.finish(model, batch, result.loss, result, augmented_logging(self.augmented, result, update_num))
 
     @classmethod

@@ -78,7 +78,7 @@ class CosRegCriterion(OutputLossCriterion):
 
     def forward(self, model, sample, reduce=True):
         batch = self.output_batch(model, sample)
-        result = fused_linear_loss(batch.hidden, batch.weight, batch.target, self.loss_request(reduce))
+        result = fused_linear_loss(batch.hidden, batch.weight, batch.target, self.batch_request(reduce))
         regulariser = self.cosreg.regularizer(*self.regularised_matrices(model))
         loss = result.loss
         if self.cosreg.gamma > 0:  # fairseq divides by sample_size: gamma * R per sample unit

@@ -19,7 +19,7 @@ from fairseq.dataclass import ChoiceEnum
 
 from fairseq_agg.fairseq_facts.dictionary import eos_index
 from fairseq_agg.fairseq_facts.distributed import data_parallel_group
-from fairseq_agg.ops import FaceLoss
+from fairseq_agg.ops import FaceLoss, FaceWeights
 from fairseq_agg.ops.face import COUNTINGS, FREQUENCIES, WEIGHINGS
 
 from .output_loss import OutputLossConfig, OutputLossCriterion, logged_total
@@ -70,7 +70,7 @@ class FaceCriterion(OutputLossCriterion):
             counting=cfg.face_counting, window=cfg.face_window or None,
             uncounted_id=None if cfg.face_count_eos else eos_index(self.dictionary), process_group=data_parallel_group(),
         )
-        self.refuse_output_kernel(row_weights=True, argmax=self.face.frequency == "out")
+        self.refuse_output_kernel(FaceWeights)
         self.keep_in_checkpoints("face_restart_counts", counter=self.face.counter)  # the counts travel with every checkpoint
 
     def on_epoch_batches(self, batches_per_epoch):
@@ -82,9 +82,10 @@ class FaceCriterion(OutputLossCriterion):
         # training moves the counts (the targets before the pass, or the argmax after it);
         # validation does not
         update_num = self.loop.training_update(model, self.name)
-        result = self.face(batch.hidden, batch.weight, batch.target, update_num, self.loss_request(reduce),
+        result = self.face(batch.hidden, batch.weight, batch.target, update_num, self.batch_request(reduce),
                            dummy=self.loop.ignore_grad)
-        return self.finish(model, batch, result.loss, result, {"face_weight": result.row_weight_sum.data})
+        extra = {"face_weight": result.terms[FaceWeights.name]["weight"].data}
+        return self.finish(model, batch, result.loss, result, extra)
 
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:

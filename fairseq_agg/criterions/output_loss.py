@@ -6,7 +6,8 @@ chunks of ``--output-chunk-tokens`` target tokens, and never kept as a tokens x 
 go through the same code; label smoothing is a parameter (fairseq's convention). Each criterion
 holds the method objects of :mod:`fairseq_agg.ops` it uses and calls them in its own ``forward``;
 this base gives it the pad-free rows of a batch (:meth:`OutputLossCriterion.output_batch`), the
-request for its flags (:meth:`~OutputLossCriterion.loss_request`), the training loop
+request of the shared flags (``self.request``, built and checked once at start-up; a batch adds
+its terms with ``LossRequest.with_terms``), the training loop
 (``self.loop``), the live embedding statistics (``self.embedding_stats``), checkpointed counts
 (:meth:`~OutputLossCriterion.keep_in_checkpoints`) and the logging (:meth:`~OutputLossCriterion.finish`).
 
@@ -26,14 +27,12 @@ from fairseq.criterions import FairseqCriterion
 from fairseq.dataclass import ChoiceEnum
 from omegaconf import II
 
-from fairseq_agg.errors import UsageError, check_choice, check_integer, check_number, flag_name, plain_value
+from fairseq_agg.errors import UsageError, flag_name, plain_value
 from fairseq_agg.fairseq_facts.checkpoint_files import criterion_state_saved_after, last_loaded_checkpoint
 from fairseq_agg.fairseq_facts.checkpoint_state import anchor_criterion_state, anchored, holds_criterion_state
 from fairseq_agg.fairseq_facts.training_loop import TrainingLoop, updates_per_epoch
 from fairseq_agg.ops import LossRequest, LossResult
-from fairseq_agg.ops.foreign_kernels import DESCRIPTIONS, FOREIGN_KERNELS, foreign_refusal, load_foreign_kernel
-from fairseq_agg.ops.fused_linear_loss import KERNELS as OUTPUT_KERNELS
-from fairseq_agg.ops.output_chunk import compile_unavailable, describe_kernel
+from fairseq_agg.ops.output_kernel import FLAG_CHOICES, check_available, describe, foreign_refusal
 from fairseq_agg.stats.config import EmbeddingStatsConfig
 from fairseq_agg.stats.live import EmbeddingStats, reduce_embedding_stats
 
@@ -54,7 +53,7 @@ class OutputLossConfig(EmbeddingStatsConfig):
         metadata={"help": "target tokens per chunk of the fused output layer (>= 1); the extra memory is "
                   "O(chunk x V), never tokens x V"},
     )
-    output_kernel: ChoiceEnum(list(OUTPUT_KERNELS)) = field(
+    output_kernel: ChoiceEnum(list(FLAG_CHOICES)) = field(
         default="auto",
         metadata={"help": "the fused output layer's chunk body: auto (compiled where torch.compile can generate "
                   "code for the device, else eager), compiled, eager; or another fused cross-entropy, for plain CE, "
@@ -87,18 +86,9 @@ def refuse_without(cfg, config_class, names, switch_on: bool, switch: str):
             raise UsageError(f"{flag_name(name)} needs {switch}")
 
 
-def check_output_kernel(cfg) -> str:
-    """``--output-kernel``, refused at start-up where it cannot run: a foreign kernel that is not
-    installed, or ``compiled`` where torch.compile cannot generate code for the training device."""
-    kernel = check_choice("output_kernel", cfg.output_kernel, OUTPUT_KERNELS)
-    if kernel in FOREIGN_KERNELS:
-        load_foreign_kernel(kernel)
-    elif kernel == "compiled":
-        device = torch.device("cuda" if torch.cuda.is_available() and not cfg.cpu else "cpu")
-        reason = compile_unavailable(device)
-        if reason:
-            raise UsageError(f"--output-kernel compiled cannot run on {device.type}: {reason} (choose auto or eager)")
-    return kernel
+def training_device(cfg) -> torch.device:
+    """The device fairseq trains on: a GPU when there is one, unless ``--cpu``."""
+    return torch.device("cuda" if torch.cuda.is_available() and not cfg.cpu else "cpu")
 
 
 def output_projection_weight(model):
@@ -150,9 +140,10 @@ class OutputLossCriterion(FairseqCriterion):
     """Fused output projection + loss; see the module docstring. ``name`` is the registered name."""
 
     def __init__(self, task, cfg: OutputLossConfig, name: str):
-        check_number("label_smoothing", cfg.label_smoothing, 0.0, 1.0, high_open=True)
-        check_integer("output_chunk_tokens", cfg.output_chunk_tokens, 1)
-        self.output_kernel = check_output_kernel(cfg)
+        # the shared flags, checked here once; forward adds only what changes per batch
+        request = LossRequest(label_smoothing=cfg.label_smoothing, chunk_size=cfg.output_chunk_tokens,
+                              kernel=cfg.output_kernel)
+        check_available(request.output_kernel, training_device(cfg))  # e.g. compiled without a compiler
         if cfg.ddp_backend == "fully_sharded":
             # FSDP shards the output matrix, which the fused output layer reads and gates whole
             raise UsageError("--ddp-backend fully_sharded (FSDP) is not supported by this criterion: use "
@@ -160,6 +151,7 @@ class OutputLossCriterion(FairseqCriterion):
         super().__init__(task)
         self.cfg = cfg
         self.name = name
+        self.request = request
         self.sentence_avg = cfg.sentence_avg
         self.dictionary = task.target_dictionary
         self.loop = TrainingLoop(task, cfg.train_subset or "train", on_epoch_batches=self.on_epoch_batches,
@@ -171,11 +163,12 @@ class OutputLossCriterion(FairseqCriterion):
         self._state_size_reported = False
         self._kernel_logged = False
 
-    def refuse_output_kernel(self, **computes):
-        """A foreign ``--output-kernel`` that cannot compute what this criterion asks (``teacher``,
-        ``row_weights``, ``penalty``, ``argmax``): a UsageError at start-up."""
-        if self.output_kernel in FOREIGN_KERNELS:
-            refusal = foreign_refusal(self.output_kernel, label_smoothing=self.cfg.label_smoothing > 0, **computes)
+    def refuse_output_kernel(self, *term_types):
+        """A foreign ``--output-kernel`` that cannot compute the terms this criterion will add (their
+        classes, :mod:`fairseq_agg.ops.terms`): a UsageError at start-up."""
+        kernel = self.request.output_kernel
+        if kernel.foreign:
+            refusal = foreign_refusal(kernel, term_types, label_smoothing=self.request.label_smoothing > 0)
             if refusal:
                 raise UsageError(refusal)
 
@@ -266,9 +259,7 @@ class OutputLossCriterion(FairseqCriterion):
         weight = output_projection_weight(model)
         if not self._kernel_logged:
             self._kernel_logged = True
-            path = (f"{DESCRIPTIONS[self.output_kernel]} (AGG's gates by algebra)" if self.output_kernel in FOREIGN_KERNELS
-                    else describe_kernel(self.output_kernel, weight.device))
-            logger.info(f"{self.name}: output layer: {path}")
+            logger.info(f"{self.name}: output layer: {describe(self.request.output_kernel, weight.device)}")
         net_output = model(**sample["net_input"], features_only=True)
         features = net_output[0]
         padded_target = model.get_targets(sample, net_output)
@@ -281,10 +272,10 @@ class OutputLossCriterion(FairseqCriterion):
             sample_size=nsentences if self.sentence_avg else ntokens, ntokens=ntokens, nsentences=nsentences,
         )
 
-    def loss_request(self, reduce: bool = True) -> LossRequest:
-        """The request of the common flags: label smoothing, chunk size, per-token losses."""
-        return LossRequest(label_smoothing=self.cfg.label_smoothing, chunk_size=self.cfg.output_chunk_tokens,
-                           per_token=not reduce, kernel=self.output_kernel)
+    def batch_request(self, reduce: bool, *terms) -> LossRequest:
+        """The request of this batch: the shared flags' (``self.request``), per-token losses for
+        ``reduce=False``, and ``terms``."""
+        return self.request.with_terms(*terms, per_token=not reduce)
 
     def finish(self, model, batch: OutputBatch, loss, result: LossResult, extra: dict):
         """fairseq's ``(loss, sample_size, logging_output)``; per-token losses (``reduce=False``)

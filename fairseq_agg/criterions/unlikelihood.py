@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from fairseq import metrics
 from fairseq.criterions import register_criterion
 
-from fairseq_agg.ops import UnlikelihoodLoss
+from fairseq_agg.ops import UnlikelihoodCandidates, UnlikelihoodLoss
 from fairseq_agg.ops.unlikelihood import DEFAULT_CLAMP
 
 from .output_loss import OutputLossConfig, OutputLossCriterion, logged_total
@@ -43,13 +43,14 @@ class UnlikelihoodCriterion(OutputLossCriterion):
     def __init__(self, task, cfg: UnlikelihoodConfig):
         super().__init__(task, cfg, "cross_entropy_unlikelihood")
         self.unlikelihood = UnlikelihoodLoss(alpha=cfg.ul_alpha, clamp=cfg.ul_clamp, pad=self.padding_idx)
-        self.refuse_output_kernel(penalty=True)
+        self.refuse_output_kernel(UnlikelihoodCandidates)
 
     def forward(self, model, sample, reduce=True):
         batch = self.output_batch(model, sample)
         result = self.unlikelihood(batch.hidden, batch.weight, batch.padded_target, batch.keep,
-                                   self.loss_request(reduce))
-        extra = {"ul_loss": result.penalty.data, "ul_candidates": result.penalty_candidates.data}
+                                   self.batch_request(reduce))
+        values = result.terms[UnlikelihoodCandidates.name]
+        extra = {"ul_loss": values["penalty"].data, "ul_candidates": values["candidates"].data}
         return self.finish(model, batch, result.loss, result, extra)
 
     @classmethod

@@ -1,13 +1,11 @@
-"""AGG (Yu et al., ACL 2022, §4) and rare-token freezing (its §3, Table 1) as objects for any
-training loop; the fairseq criterion ``cross_entropy_agg`` is a thin user of the same objects.
+"""AGG (Yu et al., ACL 2022, §4) as an object for any training loop; the fairseq criterion
+``cross_entropy_agg`` is a thin user of the same object.
 
 :class:`AggLoss` owns the counting window of the last K optimizer updates and turns it into the
-gates of every training micro-batch (docs/agg.md (A1)-(A5)); the gated gradient itself is formed
-by the fused output layer (:func:`fairseq_agg.ops.fused_linear_loss.fused_linear_loss`, (A6)).
-:class:`RareFreezing` zeroes the output-embedding rows of the rare tokens instead
-(docs/baselines.md, "Rare-token freezing").
+gates of every training micro-batch (docs/agg.md (A1)-(A5)), a term of the fused output layer
+(:class:`~fairseq_agg.ops.agg_gates.TokenGates`) that forms the gated gradient (A6). Rare-token
+freezing, which zeroes the rare tokens' rows instead, is :mod:`fairseq_agg.ops.freezing`.
 """
-from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -16,7 +14,7 @@ from fairseq_agg.errors import UsageError, check_choice, check_integer
 
 from .agg_gates import (
     G1_MODES, PAPER_OPERATING_POINT, PAPER_TOKENS_PER_UPDATE, THRESHOLD_MODES, OperatingPoint, TokenGates,
-    agg_gates, check_alpha, frozen_rare_rows, operating_point,
+    agg_gates, check_alpha, operating_point,
 )
 from .counting import CountsPerUpdate, RareTokenWindow
 from .fused_linear_loss import LossRequest, LossResult, fused_linear_loss
@@ -85,7 +83,7 @@ class AggLoss(CountsPerUpdate):
         first, without it (validation) nothing is counted or gated. ``request`` adds other terms."""
         request = LossRequest() if request is None else request
         if update_num is not None:
-            request = replace(request, gates=self.step(target, update_num))
+            request = request.with_terms(self.step(target, update_num))
         return fused_linear_loss(hidden, weight, target, request)
 
     def describe(self) -> str:
@@ -112,41 +110,3 @@ class AggLoss(CountsPerUpdate):
                 f"{p.tokens_per_update:,.0f}); a type at that count is a target in at most {100 * p.target_share:.3g} % "
                 f"of the updates (the paper's WikiText-103 LM: below about {PAPER_OPERATING_POINT[0]} per epoch, "
                 f"{100 * PAPER_OPERATING_POINT[1]:g} % of the updates)")
-
-
-
-FREEZE_SETS = ("window", "group")
-
-
-class RareFreezing:
-    """Rare-token freezing: the output-embedding rows of the rare tokens get no gradient at all.
-
-    Args:
-        vocab_size: V.
-        rare_set: ``"window"`` = AGG's rare group of the micro-batch (its gates' ``rare``), or
-            ``"group"`` = the fixed ids ``group`` (e.g. the bottom 20 % of the dictionary).
-        until_update: freeze during the first N updates only; 0 = the whole run.
-    """
-
-    def __init__(self, vocab_size: int, *, rare_set: str = "window", group: Optional[torch.Tensor] = None,
-                 until_update: int = 0):
-        self.vocab_size = check_integer("vocab_size", vocab_size, 1)
-        self.rare_set = check_choice("agg_freeze_set", rare_set, FREEZE_SETS)
-        self.until_update = check_integer("agg_freeze_until_update", until_update, 0)
-        if (self.rare_set == "group") != (group is not None):
-            raise UsageError("--agg-freeze-set group needs the group's ids, and only it takes them")
-        self.group = None if group is None else torch.as_tensor(group, dtype=torch.long)
-
-    def active(self, update_num: int) -> bool:
-        return self.until_update == 0 or update_num < self.until_update
-
-    def rows(self, update_num: int, gates: Optional[TokenGates] = None, device=None) -> Optional[torch.Tensor]:
-        """The (V,) bool mask for ``LossRequest.frozen_rows`` in this update, None once freezing ended.
-        ``gates`` (AGG's, of this micro-batch) give the ``window`` set."""
-        if not self.active(update_num):
-            return None
-        if self.rare_set == "window":
-            if gates is None:
-                raise ValueError("--agg-freeze-set window freezes AGG's rare group: pass this micro-batch's gates")
-            return frozen_rare_rows(self.vocab_size, gates=gates, device=device)
-        return frozen_rare_rows(self.vocab_size, group=self.group, device=device)

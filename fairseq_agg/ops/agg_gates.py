@@ -3,30 +3,33 @@
 * :func:`agg_gates` turns the window counts (:class:`fairseq_agg.ops.counting.RareTokenWindow`, the
   paper's dynamic rare-token grouping; docs/agg.md (A1)) into the rare group and the gate vectors g1, g2
   (docs/agg.md (A2)-(A4));
-* :meth:`TokenGates.tile_gate` is the gate factor on a chunk of the logit gradient (docs/agg.md
-  (A5)); the fused output layer's chunk body (:mod:`fairseq_agg.ops.output_chunk`) forms dH from
-  the un-gated gradient and dW from the gated one (A6).
-* :func:`check_alpha` keeps every gate <= 1; :func:`gate_statistics` is what AGG logs;
-* :func:`frozen_rare_rows` is the gate variant of the paper's freezing analysis (§3, Table 1):
-  g1 = g2 = 0 on the rare group *and* its own column zeroed too, i.e. the whole output-side rows
-  of dW of the rare tokens are zero (docs/baselines.md, "Rare-token freezing").
+* :class:`TokenGates` is AGG's term of the fused output layer (:mod:`fairseq_agg.ops.terms`): the
+  gate factor on a chunk of the logit gradient (docs/agg.md (A5)), with which the chunk body
+  (:mod:`fairseq_agg.ops.output_chunk`) forms dH from the un-gated gradient and dW from the gated
+  one (A6); the same gate in place after dH (on a CPU); and on another fused cross-entropy, the
+  gated dW by algebra (docs/agg.md, "AGG on another kernel");
+* :func:`check_alpha` keeps every gate <= 1; :func:`gate_statistics` is what AGG logs.
 
 The formulas, the defaults and where this code departs from the released code are in
 ``docs/agg.md``.
 """
 from dataclasses import dataclass
-from typing import Dict, NamedTuple, Optional
+from typing import Dict, NamedTuple
 
 import torch
 
 from fairseq_agg.errors import UsageError, check_number
 
+from .foreign_kernels import ForeignRows, target_and_summed_logits
+from .terms import GATES_DW, Term, TermOut
+
 G2_EPS = 1e-7  # the released code's guard in c_k / (mean_R c + eps)
 
 
 @dataclass
-class TokenGates:
-    """AGG gate vectors (length V each) for one micro-batch, from :func:`agg_gates`.
+class TokenGates(Term):
+    """AGG gate vectors (length V each) for one micro-batch, from :func:`agg_gates`; the fused
+    layer's term that gates dW (docs/agg.md (A5)-(A6)).
 
     ``g1`` scales the gradient of token k's logit in contexts whose target is not rare, ``g2`` in
     contexts whose target is rare; the target's own column is never gated.
@@ -36,22 +39,29 @@ class TokenGates:
     g2: torch.Tensor
     rare: torch.Tensor  # bool
 
+    name = "agg"
+    role = GATES_DW
+    gates_in_place = True
+    foreign_refusal = None  # by algebra: :meth:`foreign_grad_weight`
+
     def to(self, device) -> "TokenGates":
         return TokenGates(g1=self.g1.to(device), g2=self.g2.to(device), rare=self.rare.to(device))
 
-    def tile_inputs(self, target: torch.Tensor) -> "GateInputs":
-        """What the chunk body needs for rows with targets ``target``: the gate vectors and, per
-        row, whether its target is rare."""
+    def gate_inputs(self, target: torch.Tensor) -> "GateInputs":
+        """The gate vectors and, per row of targets ``target``, whether its target is rare."""
         return GateInputs(g1=self.g1, g2=self.g2, rare_target=self.rare.index_select(0, target))
 
+    def tile_inputs(self, rows: slice, target: torch.Tensor, acc: torch.dtype) -> "GateInputs":
+        return self.gate_inputs(target)
+
     @staticmethod
-    def tile_gate(tile, inputs: "GateInputs") -> torch.Tensor:
+    def tile(tile, inputs: "GateInputs") -> TermOut:
         """The (rows x V) factor Gamma with G_w = Gamma * G (docs/agg.md (A5)): rows with a non-rare
         target are scaled by g1 (1 outside the rare group, so the target's own column is
         untouched), rows with a rare target by g2 except in their own target column."""
         rare_rows = inputs.rare_target.unsqueeze(1)
         own_or_g2 = torch.where(tile.is_target, torch.ones_like(inputs.g2), inputs.g2.unsqueeze(0))
-        return torch.where(rare_rows, own_or_g2, inputs.g1.unsqueeze(0))
+        return TermOut(factor=torch.where(rare_rows, own_or_g2, inputs.g1.unsqueeze(0)))
 
     @staticmethod
     def scale_rows_(grad: torch.Tensor, inputs: "GateInputs") -> None:
@@ -59,20 +69,66 @@ class TokenGates:
         of :meth:`gate_in_place`)."""
         grad.mul_(torch.where(inputs.rare_target.unsqueeze(1), inputs.g2.unsqueeze(0), inputs.g1.unsqueeze(0)))
 
-    def gate_in_place(self, grad: torch.Tensor, target: torch.Tensor, scale_rows_=None) -> None:
-        """G_w = Gamma * G over a written chunk gradient, in place: :meth:`scale_rows_` (or the
-        given version of it), then each row's own target column put back. A non-rare target's
-        g1 is 1, so this is Gamma exactly, without the per-element comparison with the target,
-        which halves the pass on a CPU."""
+    def gate_in_place(self, grad: torch.Tensor, target: torch.Tensor, run=None) -> None:
+        """G_w = Gamma * G over a written chunk gradient, in place: :meth:`scale_rows_` (through
+        ``run(function, grad, inputs_of)`` where given: compiled, or block by block), then each
+        row's own target column put back. A non-rare target's g1 is 1, so this is Gamma exactly,
+        without the per-element comparison with the target, which halves the pass on a CPU."""
         own = grad.gather(1, target.unsqueeze(1))
-        (scale_rows_ or self.scale_rows_)(grad, self.tile_inputs(target))
+        if run is None:
+            self.scale_rows_(grad, self.gate_inputs(target))
+        else:
+            run(self.scale_rows_, grad, lambda rows: self.gate_inputs(target[rows]))
         grad.scatter_(1, target.unsqueeze(1), own)
+
+    # --- on another fused cross-entropy (docs/agg.md, "AGG on another kernel")
+    def foreign_row_classes(self, target: torch.Tensor):
+        """The rows whose target is not rare (A) and those whose target is (B)."""
+        rare_row = self.rare.index_select(0, target)
+        return [(~rare_row).nonzero().squeeze(1), rare_row.nonzero().squeeze(1)]
+
+    def foreign_grad_weight(self, rows: ForeignRows) -> torch.Tensor:
+        """Row k of the gated dW from the un-gated dW of A and B (:meth:`foreign_row_classes`):
+
+            dW_k = g1_k (G_A^T H_A)_k + g2_k (G_B^T H_B)_k + sum_{n in B, y_n = k} (1 - g2_k) G[n, k] h_n,
+
+        the last sum restoring the target's own column, which is never gated
+        (:func:`target_column_correction`). All of it is O(N d)."""
+        acc = torch.float64 if rows.weight.dtype == torch.float64 else torch.float32
+        rare_rows = rows.classes[1]
+        grad_weight = (self.g1.to(acc).unsqueeze(1) * rows.parts[0].to(acc)
+                       + self.g2.to(acc).unsqueeze(1) * rows.parts[1].to(acc))
+        if rare_rows.numel():
+            grad_weight += target_column_correction(
+                rows.hidden.index_select(0, rare_rows), rows.weight, rows.target.index_select(0, rare_rows),
+                rows.row_loss.index_select(0, rare_rows), rows.epsilon, self.g2,
+                rows.grad_rows.index_select(0, rare_rows))
+        return grad_weight
 
 
 class GateInputs(NamedTuple):
     g1: torch.Tensor  # (V,)
     g2: torch.Tensor  # (V,)
     rare_target: torch.Tensor  # (rows,) bool
+
+
+def target_column_correction(hidden_b, weight, target_b, row_loss_b, epsilon_torch, g2, row_scale_b=None):
+    """The last sum of :meth:`TokenGates.foreign_grad_weight`: (V, d) with rows
+    sum_{n in B, y_n = k} (1 - g2_k) G[n, k] h_n, from the rare-target rows' features, targets and
+    per-row losses; O(N_B d). G[n, y_n] = p(y_n | h_n) - (1 - eps) needs only z_{n, y_n} and the
+    row's log-sum-exp, which the kernel's per-row loss gives back exactly
+    (:mod:`fairseq_agg.ops.foreign_kernels`)."""
+    vocab = weight.size(0)
+    acc = row_loss_b.dtype if row_loss_b.dtype == torch.float64 else torch.float32
+    target_logit, logit_sum = target_and_summed_logits(hidden_b, weight, target_b, acc)
+    lse = row_loss_b.to(acc) + (1 - epsilon_torch) * target_logit + (epsilon_torch / vocab) * logit_sum
+    on_target = 1 - epsilon_torch + epsilon_torch / vocab  # Q at the target, = 1 - eps in fairseq's terms
+    grad_at_target = torch.exp(target_logit - lse) - on_target
+    coef = (1 - g2.to(acc).index_select(0, target_b)) * grad_at_target
+    if row_scale_b is not None:
+        coef = coef * row_scale_b.to(acc)
+    return torch.zeros(weight.shape, dtype=acc, device=weight.device).index_add_(
+        0, target_b, coef.unsqueeze(1) * hidden_b.to(acc))
 
 
 # Tokens per optimizer update of the AGG paper's recipes (the released code's training commands;
@@ -204,24 +260,6 @@ def agg_gates(
     mean_rare = (counts * rare).sum() / rare.sum().clamp(min=1)
     g2 = torch.where(rare, torch.clamp(counts / (mean_rare + G2_EPS), max=1.0), ones)  # empty R: all ones
     return TokenGates(g1=g1.float(), g2=g2.float(), rare=rare)
-
-
-def frozen_rare_rows(vocab_size: int, gates: Optional[TokenGates] = None, group: Optional[torch.Tensor] = None,
-                     device=None) -> torch.Tensor:
-    """Rare-token freezing: the (V,) bool mask of output-embedding rows that get no gradient.
-
-    Either AGG's rare group of this micro-batch (``gates.rare``, the window-and-threshold set) or a
-    fixed group of ids (``group``, e.g. the static bottom 20 % of the dictionary). Zeroing these
-    rows of dW is AGG's gating with g1 = g2 = 0 on them and the target's own column included; the
-    fused output layer does it once per micro-batch, after its chunk loop.
-    """
-    if (gates is None) == (group is None):
-        raise ValueError("frozen_rare_rows needs exactly one of gates and group")
-    if gates is not None:
-        return gates.rare.to(device=device, dtype=torch.bool)
-    mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-    mask[group.to(mask.device)] = True
-    return mask
 
 
 def gate_statistics(gates: TokenGates) -> Dict[str, torch.Tensor]:

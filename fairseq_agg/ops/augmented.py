@@ -6,8 +6,8 @@
 
 * :func:`aug_scale_factor`: s(tau);
 * :func:`build_teacher`: the *detached* teacher y~, built once per unique target type of a batch
-  (it depends on the type only), as a :class:`TeacherTargets` whose term
-  (:meth:`TeacherTargets.tile_term`) the fused output layer's chunk body evaluates on each logit
+  (it depends on the type only), as a :class:`TeacherTargets`, the term
+  (:mod:`fairseq_agg.ops.terms`) that the fused output layer's chunk body evaluates on each logit
   tile (:mod:`fairseq_agg.ops.output_chunk`);
 * :func:`augmented_kl_direct`: the *non-detached* variant, where gradients also flow into E
   through y~, as its own chunked autograd Function (summed, or per token);
@@ -24,7 +24,7 @@ from fairseq_agg.errors import UsageError, check_choice, check_integer, check_nu
 from .fused_linear_loss import (
     LossRequest, LossResult, block_rows, check_output_layer_inputs, fused_linear_loss, loss_dtype,
 )
-from .output_chunk import TermOut
+from .terms import ADDS_LOSS, Term, TermOut
 
 SCALES = ("none", "tau", "tau2")
 MASKED_LOGIT = -1e30
@@ -45,8 +45,9 @@ def aug_scale_factor(scale: str, tau: float) -> float:
 
 
 @dataclass
-class TeacherTargets:
-    """Augmented-loss teacher (eq. 3.7) for the unique targets of a batch.
+class TeacherTargets(Term):
+    """Augmented-loss teacher (eq. 3.7) for the unique targets of a batch; the fused layer's term
+    that adds coef * KL(y~ || softmax(z / tau)) per token (logged as ``augmented`` / ``kl``).
 
     ``probs[u]`` is softmax(E e_u / tau) for the u-th unique target type (fp32, detached),
     ``entropy[u]`` its entropy, and ``index[n]`` the row of ``probs`` for token n.
@@ -61,7 +62,20 @@ class TeacherTargets:
     gate_with_agg: bool = False
     _scalars: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)  # 1/tau, coef
 
-    def tile_inputs(self, rows: slice, acc: torch.dtype) -> "TeacherInputs":
+    name = "augmented"
+    role = ADDS_LOSS
+    value_names = ("kl",)
+    foreign_refusal = "the augmented loss (--aug-alpha)"
+
+    @property
+    def gated(self) -> bool:
+        return self.gate_with_agg
+
+    def check_inputs(self, target: torch.Tensor, vocab: int) -> None:
+        if self.index.shape != target.shape:
+            raise ValueError("teacher.index must have one entry per target")
+
+    def tile_inputs(self, rows: slice, target: torch.Tensor, acc: torch.dtype) -> "TeacherInputs":
         """What the chunk body needs for the token positions ``rows``: the teacher matrix, each
         row's index into it and entropy, and 1 / tau and coef as 0-d tensors (a changing coef,
         alpha's warm-up, then never recompiles the body)."""
@@ -75,7 +89,7 @@ class TeacherTargets:
                              inv_tau=inv_tau, coef=coef)
 
     @staticmethod
-    def tile_term(tile, inputs: "TeacherInputs"):
+    def tile(tile, inputs: "TeacherInputs") -> TermOut:
         """coef * KL(y~ || softmax(z / tau)) per row of a logit tile, and its gradient coef (y^ - y~) / tau
         (eq. 3.4). KL = lse(z / tau) - y~.z / tau - H(y~), exact and without a log of y~; max(z / tau)
         = max(z) / tau, so the tile's row maximum serves both softmaxes."""
@@ -85,7 +99,7 @@ class TeacherTargets:
         lse_tau = scaled_max + torch.exp(z * inv_tau - scaled_max).sum(dim=1, keepdim=True).log()
         kl = lse_tau.squeeze(1) - (teacher * z).sum(dim=1) * inv_tau - inputs.entropy
         grad = (coef * inv_tau) * (torch.exp(z * inv_tau - lse_tau) - teacher)
-        return TermOut(loss=coef * kl, value=kl, grad=grad)
+        return TermOut(loss=coef * kl, grad=grad, values=(kl,))
 
 
 class TeacherInputs(NamedTuple):
@@ -346,7 +360,7 @@ class AugmentedLoss:
         return self.alpha_at(update_num) * aug_scale_factor(self.scale, self.temperature)
 
     def teacher(self, embedding, target, update_num: Optional[int] = None) -> Optional[TeacherTargets]:
-        """The detached teacher of these targets for ``LossRequest.teacher``; None when the
+        """The detached teacher of these targets, a term for ``LossRequest.with_terms``; None when the
         augmented loss is off (alpha 0 in this update) or not detached."""
         if self.alpha_at(update_num) <= 0 or not self.detach_teacher:
             return None
@@ -362,8 +376,9 @@ class AugmentedLoss:
             return fused_linear_loss(hidden, weight, target, request)
         if self.detach_teacher:
             teacher = self.teacher(embedding, target, update_num)
-            return fused_linear_loss(hidden, weight, target, replace(request, teacher=teacher))
+            return fused_linear_loss(hidden, weight, target, request.with_terms(teacher))
         result = fused_linear_loss(hidden, weight, target, request)
         kl = augmented_kl_direct(hidden, weight, embedding, target, self.temperature, self.masked_columns,
                                  chunk_size=request.chunk_size, per_token=request.per_token)
-        return replace(result, loss=result.loss + self.coef(update_num) * kl, aug_kl=kl.detach().sum())
+        return replace(result, loss=result.loss + self.coef(update_num) * kl,
+                       terms={**result.terms, TeacherTargets.name: {"kl": kl.detach().sum()}})

@@ -14,12 +14,12 @@ The counts are of the model's argmax predictions (``out``, the code's default) o
 (``gt``), over the whole run (the code's) or a sliding window of updates. With no counts yet
 (sum f = 0) every weight is 1.
 
-:class:`FaceWeights` is what the fused output layer's chunk body (:mod:`fairseq_agg.ops.output_chunk`)
-evaluates on each logit tile: one scalar per row, folded into the row's loss and logit gradient
-(the layer returns each row's argmax for ``out`` counting). :class:`FaceLoss` owns the counts and puts
+:class:`FaceWeights` is FACE's term of the fused output layer (:mod:`fairseq_agg.ops.terms`), which
+the chunk body evaluates on each logit tile: one scalar per row, folded into the row's loss and
+logit gradient (the layer returns each row's argmax for ``out`` counting). :class:`FaceLoss` owns the counts and puts
 the pieces together for one training micro-batch.
 """
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
@@ -28,6 +28,7 @@ from fairseq_agg.errors import UsageError, check_choice, check_integer
 
 from .counting import CountsPerUpdate, CumulativeCounts, RareTokenWindow, check_window, counted_ids  # noqa: F401
 from .fused_linear_loss import LossRequest, LossResult, fused_linear_loss
+from .terms import WEIGHTS_ROWS, Term, TermOut
 
 WEIGHINGS = ("pre", "post")
 FREQUENCIES = ("out", "gt")
@@ -58,8 +59,9 @@ def face_post_weights(counts: torch.Tensor, target: torch.Tensor, predicted: tor
 
 
 @dataclass
-class FaceWeights:
-    """FACE's per-token weights for one micro-batch, for ``LossRequest.row_weights``.
+class FaceWeights(Term):
+    """FACE's per-token weights for one micro-batch, the fused layer's term that weights rows (the
+    summed weights logged as ``face`` / ``weight``).
 
     ``token_weight`` (length V) is set for pre-weighting, ``counts`` (length V) for post-weighting
     (which needs each row's argmax, taken by the fused layer in the same pass).
@@ -67,6 +69,11 @@ class FaceWeights:
 
     token_weight: Optional[torch.Tensor] = None
     counts: Optional[torch.Tensor] = None
+
+    name = "face"
+    role = WEIGHTS_ROWS
+    value_names = ("weight",)
+    foreign_refusal = "FACE's row weights"
 
     def __post_init__(self):
         if (self.token_weight is None) == (self.counts is None):
@@ -76,14 +83,14 @@ class FaceWeights:
     def needs_argmax(self) -> bool:
         return self.counts is not None
 
-    def tile_inputs(self, target: torch.Tensor) -> "FaceInputs":
+    def tile_inputs(self, rows: slice, target: torch.Tensor, acc: torch.dtype) -> "FaceInputs":
         """What the chunk body needs for rows with targets ``target``."""
         if self.token_weight is not None:
             return FaceInputs(row_weight=self.token_weight.index_select(0, target))
         return FaceInputs(counts=self.counts)
 
     @property
-    def tile_row_weight(self):
+    def tile(self):
         """The static function of this weighing: (tile, inputs) -> each row's weight."""
         return _pre_row_weight if self.token_weight is not None else _post_row_weight
 
@@ -93,12 +100,14 @@ class FaceInputs(NamedTuple):
     counts: Optional[torch.Tensor] = None  # (V,) counts for post-weights
 
 
-def _pre_row_weight(tile, inputs: FaceInputs) -> torch.Tensor:
-    return inputs.row_weight.to(tile.z.dtype)
+def _pre_row_weight(tile, inputs: FaceInputs) -> TermOut:
+    weight = inputs.row_weight.to(tile.z.dtype)
+    return TermOut(factor=weight, values=(weight,))
 
 
-def _post_row_weight(tile, inputs: FaceInputs) -> torch.Tensor:
-    return face_post_weights(inputs.counts, tile.target, tile.argmax).to(tile.z.dtype)
+def _post_row_weight(tile, inputs: FaceInputs) -> TermOut:
+    weight = face_post_weights(inputs.counts, tile.target, tile.argmax).to(tile.z.dtype)
+    return TermOut(factor=weight, values=(weight,))
 
 
 COUNTINGS = ("cumulative", "window")
@@ -160,8 +169,7 @@ class FaceLoss(CountsPerUpdate):
             if self.frequency == "gt":
                 self.count(target[:0] if dummy else target)
         record = counting and self.frequency == "out"
-        request = replace(request, row_weights=self.weights(target.device),
-                          record_argmax=request.record_argmax or record)
+        request = request.with_terms(self.weights(target.device), record_argmax=request.record_argmax or record)
         result = fused_linear_loss(hidden, weight, target, request)
         if record:
             self.count(target[:0] if dummy else result.argmax)

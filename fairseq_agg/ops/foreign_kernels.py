@@ -1,37 +1,31 @@
-"""Other fused linear cross-entropy kernels behind the same contract, and AGG on top of them.
+"""Other fused linear cross-entropy kernels behind the same contract, and gates on dW on top of them.
 
-``LossRequest(kernel=...)`` may name a kernel that is not this package's: PyTorch's own
-``F.linear_cross_entropy`` (``torch``), Liger-Kernel's fused linear cross-entropy (``liger``) or
-Apple's cut-cross-entropy (``cce``). Each computes (label-smoothed) cross-entropy and its gradients
-without a tokens x V tensor; none knows AGG. AGG's gated dW is nevertheless reachable from them by
-algebra, without touching an N x V block (docs/agg.md, "AGG on another kernel"):
+``LossRequest(kernel=...)`` may name a kernel that is not this package's
+(:mod:`fairseq_agg.ops.output_kernel`): PyTorch's own ``F.linear_cross_entropy`` (``torch``),
+Liger-Kernel's fused linear cross-entropy (``liger``) or Apple's cut-cross-entropy (``cce``). Each
+computes (label-smoothed) cross-entropy and its gradients without a tokens x V tensor, per row.
 
-Split the rows into A (target not rare) and B (target rare). With G the logit gradient and
-Gamma AGG's gate (docs/agg.md (A5)), row k of the gated dW is
+A term that gates dW can still run on them where it says how (:class:`fairseq_agg.ops.terms.Term`):
+it splits the rows into sets (``foreign_row_classes``), the kernel runs on each set apart, and the
+term forms its gated dW from the un-gated dW of each set (``foreign_grad_weight``; AGG's algebra:
+docs/agg.md, "AGG on another kernel", in :mod:`fairseq_agg.ops.agg_gates`); a gate on the summed dW
+(freezing) acts afterwards, as in the package's own layer. Everything else a term adds is refused
+in one line, naming the term (``foreign_refusal``).
 
-    dW_k = g1_k (G_A^T H_A)_k + g2_k (G_B^T H_B)_k + sum_{n in B, y_n = k} (1 - g2_k) G[n, k] h_n,
+The kernels' per-row loss gives back what such an algebra needs at O(N d): with the target logit
+z_{n, y_n} = h_n . w_{y_n} and sum_k z_{n, k} = h_n . sum_k w_k (:func:`target_and_summed_logits`),
 
-the last sum restoring the target's own column, which is never gated. G_A^T H_A and G_B^T H_B are
-the un-gated dW of two calls of the foreign kernel on the two row sets (dH of both is the un-gated
-one AGG keeps); G[n, y_n] = p(y_n | h_n) - (1 - eps) needs only z_{n, y_n} = h_n . w_{y_n} and the
-row's log-sum-exp, which the kernel's per-row loss gives back exactly:
-
-    loss_n = lse_n - (1 - eps') z_{n, y_n} - (eps' / V) sum_k z_{n, k},   sum_k z_{n, k} = h_n . sum_k w_k
+    loss_n = lse_n - (1 - eps') z_{n, y_n} - (eps' / V) sum_k z_{n, k}
 
 (eps' = eps V / (V - 1): these kernels spread eps' / V over every class where fairseq gives the
-target 1 - eps and the rest eps / (V - 1); the two are the same distribution). All of it is O(N d).
-
-Freezing zeroes rows of dW afterwards, as in the package's own layer. What these kernels cannot
-do (a teacher, row weights, a penalty, an argmax; CCE: label smoothing) is refused in one line.
+target 1 - eps and the rest eps / (V - 1); the two are the same distribution).
 """
 import importlib
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from fairseq_agg.errors import UsageError
-
-FOREIGN_KERNELS = ("torch", "liger", "cce")
 
 
 def torch_smoothing(epsilon: float, vocab: int) -> float:
@@ -77,67 +71,53 @@ def _cce_kernel() -> Callable:
 _LOADERS = {"torch": _torch_kernel, "liger": _liger_kernel, "cce": _cce_kernel}
 
 
-def foreign_refusal(kernel: str, *, label_smoothing=False, teacher=False, row_weights=False, penalty=False,
-                    argmax=False) -> Optional[str]:
-    """Why ``kernel`` cannot compute what is asked (one line naming the flags), or None."""
-    asked = [(teacher, "the augmented loss (--aug-alpha)"), (row_weights, "FACE's row weights"),
-             (penalty, "the unlikelihood penalty"), (argmax, "each row's argmax (FACE's out counts)"),
-             (kernel == "cce" and label_smoothing, "label smoothing (--label-smoothing)")]
-    for wanted, what in asked:
-        if wanted:
-            return (f"--output-kernel {kernel} cannot compute {what}: it computes cross-entropy only (choose auto, "
-                    "compiled or eager)")
-    return None
-
-
-DESCRIPTIONS = {
-    "torch": "PyTorch's F.linear_cross_entropy",
-    "liger": "Liger-Kernel's fused linear cross-entropy",
-    "cce": "cut-cross-entropy's linear_cross_entropy",
-}
-
-
 def load_foreign_kernel(kernel: str) -> Callable:
     """The per-row loss function of a foreign kernel, or a UsageError saying what is missing."""
     if kernel not in _LOADERS:
-        raise UsageError(f"--output-kernel must be one of auto, eager, compiled, {', '.join(FOREIGN_KERNELS)}, "
+        raise UsageError(f"--output-kernel must be one of auto, eager, compiled, {', '.join(_LOADERS)}, "
                          f"got {kernel!r}")
     return _LOADERS[kernel]()
 
 
-def _target_and_summed_logits(hidden, weight, target, acc):
+def target_and_summed_logits(hidden, weight, target, acc):
     """z_{n, y_n} = h_n . w_{y_n} and sum_k z_{n, k} = h_n . sum_k w_k of every row, in ``acc``; O(N d)."""
     h, w = hidden.to(acc), weight.to(acc)
     return (h * w.index_select(0, target)).sum(dim=1), h @ w.sum(dim=0)
 
 
-def target_column_correction(hidden_b, weight, target_b, row_loss_b, epsilon_torch, g2, row_scale_b=None):
-    """The last sum of the module docstring: (V, d) with rows sum_{n in B, y_n = k} (1 - g2_k) G[n, k] h_n,
-    from the rare-target rows' features, targets and per-row losses; O(N_B d)."""
-    vocab = weight.size(0)
-    acc = row_loss_b.dtype if row_loss_b.dtype == torch.float64 else torch.float32
-    target_logit, logit_sum = _target_and_summed_logits(hidden_b, weight, target_b, acc)
-    lse = row_loss_b.to(acc) + (1 - epsilon_torch) * target_logit + (epsilon_torch / vocab) * logit_sum
-    on_target = 1 - epsilon_torch + epsilon_torch / vocab  # Q at the target, = 1 - eps in fairseq's terms
-    grad_at_target = torch.exp(target_logit - lse) - on_target
-    coef = (1 - g2.to(acc).index_select(0, target_b)) * grad_at_target
-    if row_scale_b is not None:
-        coef = coef * row_scale_b.to(acc)
-    return torch.zeros(weight.shape, dtype=acc, device=weight.device).index_add_(
-        0, target_b, coef.unsqueeze(1) * hidden_b.to(acc))
+class ForeignRows(NamedTuple):
+    """What a gate's ``foreign_grad_weight`` gets: the call's inputs, the per-row losses and their
+    incoming gradient, eps' (:func:`torch_smoothing`), the row sets it asked for and the un-gated
+    dW of each (V x d, in the kernel's dtype)."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    target: torch.Tensor
+    row_loss: torch.Tensor
+    grad_rows: torch.Tensor
+    epsilon: float
+    classes: list
+    parts: list
+
+
+def _row_splitter(request):
+    """The one term that splits the rows (a gate that acts per tile), or None."""
+    splitting = [term for term in request.terms if term.tile is not None and term.foreign_refusal is None]
+    if len(splitting) > 1:
+        raise UsageError(f"--output-kernel {request.kernel} can serve one gate on dW at most, got "
+                         f"{', '.join(term.name for term in splitting)}")
+    return splitting[0] if splitting else None
 
 
 class _ForeignLinearLoss(torch.autograd.Function):
-    """Per-row losses of a foreign kernel; backward forms dH and the gated, frozen dW."""
+    """Per-row losses of a foreign kernel; backward forms dH and the gated dW."""
 
     @staticmethod
     def forward(ctx, hidden, weight, target, request, per_row):
         epsilon = torch_smoothing(request.label_smoothing, weight.size(0))
-        gates = request.gates
-        classes = [torch.arange(target.numel(), device=target.device)]
-        if gates is not None:
-            rare_row = gates.rare.index_select(0, target)
-            classes = [(~rare_row).nonzero().squeeze(1), rare_row.nonzero().squeeze(1)]
+        splitter = _row_splitter(request)
+        classes = ([torch.arange(target.numel(), device=target.device)] if splitter is None
+                   else splitter.foreign_row_classes(target))
         with torch.enable_grad():
             h = hidden.detach().requires_grad_(hidden.requires_grad)
             weights = [weight.detach().requires_grad_(weight.requires_grad) for _ in classes]
@@ -147,7 +127,7 @@ class _ForeignLinearLoss(torch.autograd.Function):
                 if rows.numel():
                     loss = per_row(h.index_select(0, rows), w, target.index_select(0, rows), epsilon)
                     row_loss = row_loss.index_copy(0, rows, loss.to(row_loss.dtype))
-        ctx.graph = (h, weights, row_loss, classes, epsilon)
+        ctx.graph = (h, weights, row_loss, classes, epsilon, splitter)
         ctx.request = request
         ctx.save_for_backward(hidden, weight, target)
         return row_loss.detach()
@@ -155,8 +135,7 @@ class _ForeignLinearLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_rows):
         hidden, weight, target = ctx.saved_tensors
-        h, weights, row_loss, classes, epsilon = ctx.graph
-        request = ctx.request
+        h, weights, row_loss, classes, epsilon, splitter = ctx.graph
         inputs = [t for t in (h, *weights) if t.requires_grad]
         grads = dict(zip(map(id, inputs), torch.autograd.grad(row_loss, inputs, grad_rows, allow_unused=True)))
         grad_hidden = grads.get(id(h)) if ctx.needs_input_grad[0] else None
@@ -164,40 +143,31 @@ class _ForeignLinearLoss(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             parts = [grads.get(id(w)) for w in weights]
             parts = [torch.zeros_like(weight) if p is None else p for p in parts]
-            gates = request.gates
-            if gates is None:
+            if splitter is None:
                 grad_weight = parts[0].float() if parts[0].dtype != torch.float64 else parts[0]
             else:
-                acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
-                rare_rows = classes[1]
-                grad_weight = (gates.g1.to(acc).unsqueeze(1) * parts[0].to(acc)
-                               + gates.g2.to(acc).unsqueeze(1) * parts[1].to(acc))
-                if rare_rows.numel():
-                    grad_weight += target_column_correction(
-                        hidden.index_select(0, rare_rows), weight, target.index_select(0, rare_rows),
-                        row_loss.detach().index_select(0, rare_rows), epsilon, gates.g2,
-                        grad_rows.index_select(0, rare_rows))
-            if request.frozen_rows is not None:
-                grad_weight = grad_weight.masked_fill(request.frozen_rows.unsqueeze(1), 0.0)
+                grad_weight = splitter.foreign_grad_weight(ForeignRows(
+                    hidden=hidden, weight=weight, target=target, row_loss=row_loss.detach(), grad_rows=grad_rows,
+                    epsilon=epsilon, classes=classes, parts=parts))
+            for term in ctx.request.terms:
+                term.finish_grad_weight(grad_weight)
             grad_weight = grad_weight.to(weight.dtype)
         del ctx.graph
         return grad_hidden, grad_weight, None, None, None
 
 
-def foreign_linear_loss(hidden, weight, target, request):
-    """(per-row loss, per-row NLL) of ``request`` through the foreign kernel ``request.kernel``; the
-    loss is differentiable in ``hidden`` and ``weight``, with AGG's gates and freezing applied to dW."""
-    refusal = foreign_refusal(
-        request.kernel, label_smoothing=request.label_smoothing > 0, teacher=request.teacher is not None,
-        row_weights=request.row_weights is not None, penalty=request.penalty is not None, argmax=request.needs_argmax)
+def foreign_linear_loss(hidden, weight, target, request, refusal: Optional[str] = None):
+    """(per-row loss, per-row NLL) of ``request`` through its foreign kernel; the loss is
+    differentiable in ``hidden`` and ``weight``, with the gates' dW. ``refusal``: why the kernel
+    cannot serve the request (:func:`fairseq_agg.ops.output_kernel.foreign_refusal`), raised."""
     if refusal:
         raise UsageError(refusal)
-    per_row = load_foreign_kernel(request.kernel)
+    per_row = load_foreign_kernel(request.output_kernel.implementation)
     row_loss = _ForeignLinearLoss.apply(hidden, weight, target, request, per_row)
     with torch.no_grad():
         nll = row_loss.detach()
         epsilon = torch_smoothing(request.label_smoothing, weight.size(0))
         if epsilon > 0:  # nll = loss - eps' z_y + (eps' / V) sum_k z_k (module docstring)
-            target_logit, logit_sum = _target_and_summed_logits(hidden.detach(), weight.detach(), target, nll.dtype)
+            target_logit, logit_sum = target_and_summed_logits(hidden.detach(), weight.detach(), target, nll.dtype)
             nll = nll - epsilon * target_logit + (epsilon / weight.size(0)) * logit_sum
     return row_loss, nll

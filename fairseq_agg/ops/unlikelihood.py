@@ -20,7 +20,7 @@ sequence, each token only at its first position (a stable sort per row), so the 
 before position t are exactly the kept entries at positions < t. :class:`UnlikelihoodLoss` is the
 method for a training loop (and the object the fairseq criterion holds).
 """
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 import torch
@@ -28,7 +28,7 @@ import torch
 from fairseq_agg.errors import check_integer, check_number
 
 from .fused_linear_loss import LossRequest, LossResult, fused_linear_loss
-from .output_chunk import TermOut
+from .terms import ADDS_LOSS, Term, TermOut
 
 DEFAULT_CLAMP = 1e-5
 
@@ -47,8 +47,10 @@ def first_occurrences(target: torch.Tensor, pad: int) -> torch.Tensor:
 
 
 @dataclass
-class UnlikelihoodCandidates:
-    """UL's previous-context candidates for the (pad-free) rows of one micro-batch.
+class UnlikelihoodCandidates(Term):
+    """UL's previous-context candidates for the (pad-free) rows of one micro-batch: the fused
+    layer's term that adds alpha * UL per token (logged as ``unlikelihood``: ``penalty``, the UL
+    term before alpha, and ``candidates``, the summed |C_t|).
 
     ``table`` is :func:`first_occurrences` of the (B, T) targets; row n of the output layer is
     position ``position[n]`` of sequence ``sequence[n]``.
@@ -60,6 +62,15 @@ class UnlikelihoodCandidates:
     alpha: float = 1.0
     clamp: float = DEFAULT_CLAMP
     _scalars: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)  # alpha, clamp
+
+    name = "unlikelihood"
+    role = ADDS_LOSS
+    value_names = ("penalty", "candidates")
+    foreign_refusal = "the unlikelihood penalty"
+
+    def check_inputs(self, target: torch.Tensor, vocab: int) -> None:
+        if self.position.shape != target.shape:
+            raise ValueError("the unlikelihood candidates must have one position per target")
 
     def block_candidates(self, rows: slice, target: torch.Tensor):
         """(ids, valid) of a block of rows, (rows x L) each: row n's candidates are ``ids[n][valid[n]]``.
@@ -84,7 +95,7 @@ class UnlikelihoodCandidates:
         return PenaltyInputs(ids=ids, valid=valid, alpha=alpha, clamp=clamp)
 
     @staticmethod
-    def tile_term(tile, inputs: "PenaltyInputs"):
+    def tile(tile, inputs: "PenaltyInputs") -> TermOut:
         """alpha * sum_c -log(max(1 - p_c, clamp)) per row of a logit tile and its gradient:
         alpha * (r at the candidate columns - S p), r_c = p_c / (1 - p_c) on the unclamped
         candidates, S = sum_c r_c (0 on invalid and clamped slots)."""
@@ -95,8 +106,8 @@ class UnlikelihoodCandidates:
         ratio = torch.where(unclamped, p / one_minus, torch.zeros_like(p))
         alpha = inputs.alpha
         grad = (-alpha * ratio.sum(1, keepdim=True)) * tile.probs()
-        return TermOut(loss=alpha * value, value=value, grad=grad, columns=inputs.ids, column_grad=alpha * ratio,
-                       count=inputs.valid.sum(1))
+        loss, column_grad, count = alpha * value, alpha * ratio, inputs.valid.sum(1)
+        return TermOut(loss=loss, grad=grad, values=(value, count), columns=inputs.ids, column_grad=column_grad)
 
 
 class PenaltyInputs(NamedTuple):
@@ -142,8 +153,9 @@ class UnlikelihoodLoss:
 
     def __call__(self, hidden, weight, padded_target, keep, request: Optional[LossRequest] = None) -> LossResult:
         """The fused loss plus alpha * UL; ``hidden`` holds the rows ``keep`` of ``padded_target``
-        (``LossResult.penalty`` is the UL term before alpha, ``penalty_candidates`` the summed |C_t|)."""
+        (``LossResult.terms["unlikelihood"]``: ``penalty``, the UL term before alpha, and
+        ``candidates``, the summed |C_t|)."""
         request = LossRequest() if request is None else request
         target = padded_target.reshape(-1).index_select(0, keep)
-        request = replace(request, penalty=self.candidates(padded_target, keep))
+        request = request.with_terms(self.candidates(padded_target, keep))
         return fused_linear_loss(hidden, weight, target, request)

@@ -1,5 +1,5 @@
-"""The steps that the benchmark (scripts/bench_criterion.py) and the GPU check (scripts/gpu_check.py)
-time on the output-layer problem (output_layer_problem.py): one forward and backward pass of the
+"""The steps that the benchmarks (benchmarks/variants.py names them for the criterion benchmark and the
+GPU check) time on the output-layer problem (output_layer_problem.py): one forward and backward pass of the
 package's fused function for CE, AGG, the augmented loss and the remedies of docs/baselines.md, on
 any of its kernels, and of the reference constructions it is checked against. The stock criteria,
 PyTorch's op and the three-matmul floor are output_layer_problem.py's ``stock_loss``,
@@ -9,22 +9,21 @@ A step is ``step(p, chunk, kernel[, eps])`` on a :class:`StepProblem`: ``chunk``
 in ``LossRequest``, ``eps`` the label smoothing where the variant takes one. It returns the loss
 without its graph and leaves H.grad and W.grad behind. What a criterion does per micro-batch
 (AGG's histogram and gates, the teacher, UL's candidates, FACE's counts) happens inside the step,
-so inside the timed region. Each command keeps its own table of variant names over these steps:
-which smoothing each runs at differs (the benchmark's AL is at eps 0, the GPU check runs every
-variant at its shape's eps).
+so inside the timed region. benchmarks/variants.py holds the one table of variant names over these
+steps, and at which smoothing each runs.
 
-The commands import it as ``tests.support.output_layer_steps`` (output_layer_problem.py says why).
+The benchmarks import it as ``tests.support.output_layer_steps`` (output_layer_problem.py says why).
 """
 import torch
 import torch.nn.functional as F
 
 from fairseq import utils as fairseq_utils
 
-from fairseq_agg.ops.agg_gates import frozen_rare_rows
 from fairseq_agg.ops.augmented import build_teacher
 from fairseq_agg.ops.cosreg import cosine_regularizer
 from fairseq_agg.ops.counting import target_histogram
 from fairseq_agg.ops.face import FaceWeights, face_token_weights
+from fairseq_agg.ops.freezing import FrozenRows, frozen_rare_rows
 from fairseq_agg.ops.fused_linear_loss import LossRequest, fused_linear_loss
 from fairseq_agg.ops.unlikelihood import unlikelihood_candidates
 
@@ -63,19 +62,19 @@ def fused_ce(p, chunk, kernel, eps=0.0):
 
 def fused_agg(p, chunk, kernel, eps=0.0):
     """AGG: the window's histogram and the gates, then the gated layer."""
-    return fused(p, LossRequest(eps, gates=p.gates(), chunk_size=chunk, kernel=kernel))
+    return fused(p, LossRequest(eps, terms=(p.gates(),), chunk_size=chunk, kernel=kernel))
 
 
 def fused_al(p, chunk, kernel, eps=0.0):
     """The augmented loss: the per-type teacher (``build_teacher``), then the layer with it."""
     teacher = build_teacher(p.weight.detach(), p.target, p.aug_tau, p.aug_coef, masked_columns=[PAD])
-    return fused(p, LossRequest(eps, teacher=teacher, chunk_size=chunk, kernel=kernel))
+    return fused(p, LossRequest(eps, terms=(teacher,), chunk_size=chunk, kernel=kernel))
 
 
 def fused_freeze(p, chunk, kernel):
     """Rare-token freezing: CE with AGG's rare rows of dW zeroed."""
     frozen = frozen_rare_rows(p.vocab, gates=p.gates())
-    return fused(p, LossRequest(frozen_rows=frozen, chunk_size=chunk, kernel=kernel))
+    return fused(p, LossRequest(terms=(FrozenRows(frozen),), chunk_size=chunk, kernel=kernel))
 
 
 def fused_cosreg(p, chunk, kernel):
@@ -88,7 +87,7 @@ def fused_cosreg(p, chunk, kernel):
 def fused_face(p, chunk, kernel):
     """FACE pre-weighting from the window counts, the argmax recorded in the pass and counted."""
     face = FaceWeights(token_weight=face_token_weights(p.window_counts.to(p.device)))
-    request = LossRequest(row_weights=face, chunk_size=chunk, record_argmax=True, kernel=kernel)
+    request = LossRequest(terms=(face,), chunk_size=chunk, record_argmax=True, kernel=kernel)
     result = fused_linear_loss(p.hidden, p.weight, p.target, request)
     target_histogram(result.argmax, p.vocab)  # the counts of the next micro-batch
     return backward(result.loss)
@@ -102,7 +101,7 @@ def fused_ul(p, chunk, kernel):
     sequences = p.target.new_full((-(-n // width) * width,), PAD)
     sequences[:n] = p.target
     candidates = unlikelihood_candidates(sequences.view(-1, width), torch.arange(n, device=p.device), PAD, 1.0)
-    return fused(p, LossRequest(penalty=candidates, chunk_size=chunk, kernel=kernel))
+    return fused(p, LossRequest(terms=(candidates,), chunk_size=chunk, kernel=kernel))
 
 
 # --------------------------------------------------------------------------- the reference constructions
