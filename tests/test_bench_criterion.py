@@ -97,6 +97,13 @@ def test_a_sweep_and_a_variant_list_of_keys(tmp_path):
     assert "-- issue #46" not in proc.stdout  # auto was not measured
 
 
+def test_a_first_kernel_other_than_auto_checks_the_package_variants_only(tmp_path):
+    # the floor runs on no kernel of the package: it has no twin on eager to be checked against
+    proc = _bench([*TINY, "--variants", "fused_ce,floor", "--kernels", "eager,auto", "--json", str(tmp_path / "r.json")])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert re.search(r"fused_ce vs fused_ce:eager: loss rel [0-9.e+-]+, dH rel [0-9.e+-]+, dW rel", proc.stdout), proc.stdout
+
+
 @pytest.mark.parametrize("args, flag", [(["--variants", "fce"], "--variants"),
                                         (["--variants", "freeze+ls"], "--variants"),
                                         (["--variants", "floor:eager"], "--variants"),

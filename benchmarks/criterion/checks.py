@@ -22,8 +22,10 @@ def _pairs(keys, primary):
     have = set(keys)
     pairs = []
     for k in keys:
+        if k.variant.family != variants.PACKAGE:  # runs on no kernel of the package: nothing to pair
+            continue
         same = variants.key(k.name, k.smoothed, primary)
-        if k.variant.family == variants.PACKAGE and k != same and same in have:
+        if k != same and same in have:
             pairs.append((k, same, "loss, dH, dW"))
     for a_name, b_name, compared in EQUIVALENT:
         for smoothed in (False, True):
