@@ -33,6 +33,7 @@ def train(data, base, extra, save_dir, restore=None):
     args = [data, "--user-dir", USER_DIR] + base + extra + [
         "--max-update", 2 * N, "--save-interval-updates", N, "--no-epoch-checkpoints",
         "--save-dir", save_dir, "--log-format", "json",
+        "--output-kernel", "auto",  # the default, compiled here: each criterion's one compiled real run
     ]
     if restore:
         args += ["--restore-file", restore]

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from fairseq_runs import TINY_LM_ARGS, USER_DIR, fairseq_bin, file_digests as digests, run_cli
+from fairseq_runs import TINY_LM_ARGS, USER_DIR, eager_unless_named, fairseq_bin, file_digests as digests, run_cli
 
 
 def train_args(data, save_dir, max_update, extra=()):
@@ -129,7 +129,7 @@ def test_a_checkpoint_save_that_runs_out_of_room_is_one_line_and_leaves_nothing(
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    args = [fairseq_bin("fairseq-train")] + train_args(runs["data"], save_dir, 24)
+    args = [fairseq_bin("fairseq-train")] + eager_unless_named("fairseq-train", train_args(runs["data"], save_dir, 24))
     env = dict(os.environ, OMP_NUM_THREADS="2")
     proc = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env, preexec_fn=under_the_limit)
     saved = os.path.join(save_dir, "checkpoint_1_24.pt")

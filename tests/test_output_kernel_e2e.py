@@ -13,7 +13,8 @@ def train(data, save_dir, kernel):
     args = [data, "--user-dir", USER_DIR] + TINY_LM_ARGS + [
         "--criterion", "cross_entropy_agg", "--agg-alpha", "0.5", "--agg-window", "3", "--label-smoothing", "0.1",
         "--max-update", UPDATES, "--save-dir", save_dir, "--log-format", "json", "--no-save",
-    ] + ([] if kernel is None else ["--output-kernel", kernel])
+        "--output-kernel", kernel,
+    ]
     proc = run_cli("fairseq-train", args)
     log = proc.stdout + proc.stderr
     records = [r for r in read_json_log(log) if "num_updates" in r and "loss" in r]
@@ -22,12 +23,12 @@ def train(data, save_dir, kernel):
 
 @pytest.fixture(scope="module")
 def runs(lm_data_bin, tmp_path_factory):
-    kernels = [None, "eager"] + (["torch"] if hasattr(torch.nn.functional, "linear_cross_entropy") else [])
+    kernels = ["auto", "eager"] + (["torch"] if hasattr(torch.nn.functional, "linear_cross_entropy") else [])
     return {k: train(lm_data_bin, str(tmp_path_factory.mktemp(f"kernel_{k}")), k) for k in kernels}
 
 
 def test_the_log_names_the_path_once(runs):
-    default_log, _ = runs[None]
+    default_log, _ = runs["auto"]  # the default, named: the tests' runs are eager unless they name one
     lines = [line for line in default_log.splitlines() if "output layer:" in line]
     assert len(lines) == 1 and "cross_entropy_agg: output layer: compiled chunk body (torch.compile" in lines[0]
     assert "output layer: eager chunk body (as asked)" in runs["eager"][0]

@@ -116,7 +116,8 @@ def test_wheel_holds_no_test_or_benchmark_code(built):
     helpers and the reference constructions they share with them (tests/support/) stay in the checkout."""
     _, files = _wheel_metadata(built["wheel"])
     checkout_only = {os.path.basename(path) for folder in ("tests", "scripts")
-                     for path in glob.glob(os.path.join(REPO, folder, "**", "*.py"), recursive=True)}
+                     for path in glob.glob(os.path.join(REPO, folder, "**", "*.py"), recursive=True)
+                     if os.path.basename(path) != "__init__.py"}  # a package's (tests/support/zloss_plugin) is no name
     assert {"gpu_check.py", "bench_criterion.py", "reference_constructions.py", "fairseq_runs.py"} <= checkout_only
     assert not [f for f in files if os.path.basename(f) in checkout_only]
     assert not [f for f in files if re.search(r"(^|/)(tests?|testing|benchmarks?)/", f)]
@@ -149,7 +150,8 @@ OPTIONAL_IMPORTS = {"triton", "liger_kernel", "cut_cross_entropy"}
 # the checkout's own top-level modules, imported by bare name (tests/support is on pytest's path)
 OWN_MODULES = {"fairseq_agg", "fairseq_agg_cli", "fairseq_agg_plugin", "benchmarks", "examples", "study", "scripts", "tests"} | {
     os.path.splitext(name)[0] for folder in ("tests", os.path.join("tests", "support"))
-    for name in os.listdir(os.path.join(REPO, folder)) if name.endswith(".py")}
+    for name in os.listdir(os.path.join(REPO, folder))
+    if name.endswith(".py") or os.path.isfile(os.path.join(REPO, folder, name, "__init__.py"))}
 
 
 def _normal(name):

@@ -18,12 +18,14 @@ BIN_DIR = os.path.dirname(sys.executable)
 
 
 def parse_config(data, base_args, extra):
-    """The fairseq-train configuration of ``fairseq-train DATA --user-dir ... BASE_ARGS EXTRA``."""
+    """The fairseq-train configuration of ``fairseq-train DATA --user-dir ... BASE_ARGS EXTRA`` (an
+    output-layer criterion eager unless the arguments name a kernel, as in :func:`run_cli`)."""
     from fairseq import options, utils
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
     parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, [data, "--user-dir", USER_DIR] + base_args + extra)
+    args = options.parse_args_and_arch(parser, eager_unless_named("fairseq-train", [data, "--user-dir", USER_DIR]
+                                                                  + base_args + extra))
     cfg = convert_namespace_to_omegaconf(args)
     utils.import_user_module(cfg.common)
     return cfg
@@ -84,12 +86,34 @@ def fairseq_bin(name):
     return path
 
 
+# The plugin's criteria with the fused output layer: under the default --output-kernel auto each
+# fairseq-train process compiles the chunk body at its first forward (about 4 s with a warm Inductor
+# cache, 12 s cold), and an in-process criterion each new plan of terms. A run or criterion that is
+# not about the kernel runs it eager; the tests about the kernel, and one real run per criterion
+# (tests/test_output_kernel_e2e.py, test_baselines_e2e.py, test_augmented_criterion.py), name
+# --output-kernel themselves and keep it.
+OUTPUT_LAYER_CRITERIA = ("cross_entropy_agg", "augmented_loss", "cross_entropy_cosreg", "cross_entropy_face",
+                         "cross_entropy_unlikelihood")
+
+
+def eager_unless_named(name, args):
+    """``args`` of a ``fairseq-train`` run of an output-layer criterion with ``--output-kernel eager``
+    added, unless they name a kernel; every other command's args as they are."""
+    args = [str(a) for a in args]
+    if name != "fairseq-train" or "--output-kernel" in args or "--criterion" not in args:
+        return args
+    if args[args.index("--criterion") + 1] not in OUTPUT_LAYER_CRITERIA:
+        return args
+    return args + ["--output-kernel", "eager"]
+
+
 def run_cli(name, args, cwd=None, expect_ok=True, timeout=900):
-    """Runs a fairseq (or plugin) console script; returns the CompletedProcess."""
+    """Runs a fairseq (or plugin) console script; returns the CompletedProcess. A fairseq-train
+    run of an output-layer criterion that names no --output-kernel runs it eager (above)."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "2")
     env["PYTHONUNBUFFERED"] = "1"
-    cmd = [fairseq_bin(name)] + [str(a) for a in args]
+    cmd = [fairseq_bin(name)] + eager_unless_named(name, args)
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if expect_ok and proc.returncode != 0:
         raise AssertionError(
