@@ -21,6 +21,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if tiers.is_e2e(item):
             item.add_marker(pytest.mark.e2e)
+    items[:] = tiers.longest_first(items)
 
 
 @pytest.fixture(scope="session")

@@ -86,3 +86,19 @@ def is_e2e(item) -> bool:
         if name not in DATA_FIXTURES:
             functions += [d.func for d in definitions]
     return any(f is not None and starts_processes(f) for f in functions)
+
+
+# The modules that take longest, longest first (seconds of their tests on 2 cores with two workers,
+# `--durations`, 6 December 2026). They are handed out first, so that the two workers of
+# scripts/run_tests.sh (pytest-xdist, --dist loadfile: a module stays on one worker) end together
+# instead of one of them starting the study's smoke last.
+LONGEST_FIRST = ("test_study_tail.py", "test_study.py", "test_gpu_check.py", "test_pipelines_demo.py",
+                 "test_bench_criterion.py", "test_distributed.py", "test_baselines_e2e.py", "test_packaging.py",
+                 "test_pipelines_wikitext.py", "test_pipelines_demo_mt.py", "test_coupled_adam.py")
+
+
+def longest_first(items):
+    """``items`` with the modules of :data:`LONGEST_FIRST` first, in its order; every module's own
+    tests, and the other modules, in the order they were collected."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    return sorted(items, key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))
