@@ -16,7 +16,6 @@ through it). :meth:`AggCriterion.forward` is the whole step.
 import logging
 from dataclasses import dataclass, field
 
-from fairseq import metrics
 from fairseq.criterions import register_criterion
 from fairseq.dataclass import ChoiceEnum
 
@@ -30,7 +29,7 @@ from fairseq_agg.stats.groups import frequency_groups, parse_fractions
 from .augmented_loss import (
     AugmentedLossConfig, augmented_logging, augmented_loss_from_config, reduce_augmented_metrics, teacher_matrix,
 )
-from .output_loss import OutputLossCriterion, logged_total, refuse_without
+from .output_loss import OutputLossCriterion, log_means, refuse_without
 
 logger = logging.getLogger(__name__)
 
@@ -189,11 +188,5 @@ class AggCriterion(OutputLossCriterion):
     def reduce_metrics(cls, logging_outputs) -> None:
         super().reduce_metrics(logging_outputs)
         reduce_augmented_metrics(logging_outputs)
-        total = logged_total(logging_outputs)
-        steps = total("agg_steps")
-        if steps:
-            for key, digits in (("agg_rare", 1), ("agg_very_rare", 1), ("agg_g1", 4), ("agg_g2", 4)):
-                metrics.log_scalar(key, total(key) / steps, steps, round=digits)
-        freeze_steps = total("agg_freeze_steps")
-        if freeze_steps:
-            metrics.log_scalar("agg_frozen", total("agg_frozen") / freeze_steps, freeze_steps, round=1)
+        log_means(logging_outputs, "agg_steps", {"agg_rare": 1, "agg_very_rare": 1, "agg_g1": 4, "agg_g2": 4})
+        log_means(logging_outputs, "agg_freeze_steps", {"agg_frozen": 1})

@@ -12,7 +12,6 @@ the choices the paper leaves open: docs/baselines.md, "CosReg".
 """
 from dataclasses import dataclass, field
 
-from fairseq import metrics
 from fairseq.criterions import register_criterion
 from fairseq.dataclass import ChoiceEnum
 
@@ -21,7 +20,7 @@ from fairseq_agg.ops import CosRegLoss, fused_linear_loss
 from fairseq_agg.ops.cosreg import NORMALIZERS
 from fairseq_agg.stats.groups import ROW_POLICIES, row_mask
 
-from .output_loss import OutputLossConfig, OutputLossCriterion, logged_total, output_projection_weight
+from .output_loss import OutputLossConfig, OutputLossCriterion, log_means, output_projection_weight
 
 MATRICES = ("output", "input", "both")
 
@@ -89,7 +88,4 @@ class CosRegCriterion(OutputLossCriterion):
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:
         super().reduce_metrics(logging_outputs)
-        total = logged_total(logging_outputs)
-        steps = total("cosreg_steps")
-        if steps:
-            metrics.log_scalar("cosreg", total("cosreg") / steps, steps, round=4)
+        log_means(logging_outputs, "cosreg_steps", {"cosreg": 4})

@@ -13,7 +13,6 @@ the choices the paper leaves open: docs/baselines.md, "FACE".
 """
 from dataclasses import dataclass, field
 
-from fairseq import metrics
 from fairseq.criterions import register_criterion
 from fairseq.dataclass import ChoiceEnum
 
@@ -22,7 +21,7 @@ from fairseq_agg.fairseq_facts.distributed import data_parallel_group
 from fairseq_agg.ops import FaceLoss, FaceWeights
 from fairseq_agg.ops.face import COUNTINGS, FREQUENCIES, WEIGHINGS
 
-from .output_loss import OutputLossConfig, OutputLossCriterion, logged_total
+from .output_loss import OutputLossConfig, OutputLossCriterion, log_means
 
 
 @dataclass
@@ -90,7 +89,4 @@ class FaceCriterion(OutputLossCriterion):
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:
         super().reduce_metrics(logging_outputs)
-        total = logged_total(logging_outputs)
-        ntokens = total("ntokens")
-        if ntokens:
-            metrics.log_scalar("face_weight", total("face_weight") / ntokens, ntokens, round=4)
+        log_means(logging_outputs, "ntokens", {"face_weight": 4})

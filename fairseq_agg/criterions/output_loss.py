@@ -136,6 +136,16 @@ def logged_total(logging_outputs):
     return lambda key: sum(log.get(key, 0) for log in logging_outputs)
 
 
+def log_means(logging_outputs, per: str, digits: dict) -> None:
+    """Logs each key of ``digits`` as its sum over the sum of ``per`` (its weight, e.g. ``ntokens``
+    or a method's step count), rounded to its digits; nothing where ``per`` sums to 0."""
+    total = logged_total(logging_outputs)
+    weight = total(per)
+    if weight:
+        for key, rounded in digits.items():
+            metrics.log_scalar(key, total(key) / weight, weight, round=rounded)
+
+
 class OutputLossCriterion(FairseqCriterion):
     """Fused output projection + loss; see the module docstring. ``name`` is the registered name."""
 

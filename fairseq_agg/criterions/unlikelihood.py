@@ -19,7 +19,7 @@ from fairseq.criterions import register_criterion
 from fairseq_agg.ops import UnlikelihoodCandidates, UnlikelihoodLoss
 from fairseq_agg.ops.unlikelihood import DEFAULT_CLAMP
 
-from .output_loss import OutputLossConfig, OutputLossCriterion, logged_total
+from .output_loss import OutputLossConfig, OutputLossCriterion, log_means, logged_total
 
 
 @dataclass
@@ -57,8 +57,7 @@ class UnlikelihoodCriterion(OutputLossCriterion):
     def reduce_metrics(cls, logging_outputs) -> None:
         super().reduce_metrics(logging_outputs)
         total = logged_total(logging_outputs)
-        sample_size, ntokens = total("sample_size"), total("ntokens")
+        sample_size = total("sample_size")
         if sample_size:
             metrics.log_scalar("ul_loss", total("ul_loss") / sample_size / math.log(2), sample_size, round=4)
-        if ntokens:
-            metrics.log_scalar("ul_candidates", total("ul_candidates") / ntokens, ntokens, round=2)
+        log_means(logging_outputs, "ntokens", {"ul_candidates": 2})

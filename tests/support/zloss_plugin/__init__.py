@@ -7,11 +7,10 @@ pieces (its output-layer criterion base and the fused layer) without editing the
 from dataclasses import dataclass, field
 
 import fairseq_agg
-from fairseq import metrics
 from fairseq.criterions import register_criterion
 
 from fairseq_agg.errors import check_number
-from fairseq_agg.criterions.output_loss import OutputLossConfig, OutputLossCriterion, logged_total
+from fairseq_agg.criterions.output_loss import OutputLossConfig, OutputLossCriterion, log_means
 from fairseq_agg.ops import fused_linear_loss
 
 from .term import ZLoss
@@ -43,7 +42,4 @@ class ZLossCriterion(OutputLossCriterion):
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:
         super().reduce_metrics(logging_outputs)
-        total = logged_total(logging_outputs)
-        ntokens = total("ntokens")
-        if ntokens:
-            metrics.log_scalar("zloss", total("zloss") / ntokens, ntokens, round=6)
+        log_means(logging_outputs, "ntokens", {"zloss": 6})
