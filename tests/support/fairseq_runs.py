@@ -2,6 +2,7 @@
 data-bins and real fairseq command-line subprocesses. Not part of the installed package: the tests
 import it as ``fairseq_runs`` through pytest's ``pythonpath`` (pyproject.toml: tests/support).
 """
+import dataclasses
 import hashlib
 import json
 import os
@@ -92,8 +93,13 @@ def fairseq_bin(name):
 # not about the kernel runs it eager; the tests about the kernel, and one real run per criterion
 # (tests/test_output_kernel_e2e.py, test_baselines_e2e.py, test_augmented_criterion.py), name
 # --output-kernel themselves and keep it.
-OUTPUT_LAYER_CRITERIA = ("cross_entropy_agg", "augmented_loss", "cross_entropy_cosreg", "cross_entropy_face",
-                         "cross_entropy_unlikelihood")
+def takes_output_kernel(criterion: str) -> bool:
+    """Whether the registered ``criterion`` has the fused output layer (its dataclass has
+    ``--output-kernel``), read from fairseq's registry as fairseq-train would build it."""
+    from fairseq.criterions import CRITERION_DATACLASS_REGISTRY
+
+    config = CRITERION_DATACLASS_REGISTRY.get(criterion)
+    return config is not None and any(f.name == "output_kernel" for f in dataclasses.fields(config))
 
 
 def eager_unless_named(name, args):
@@ -102,7 +108,7 @@ def eager_unless_named(name, args):
     args = [str(a) for a in args]
     if name != "fairseq-train" or "--output-kernel" in args or "--criterion" not in args:
         return args
-    if args[args.index("--criterion") + 1] not in OUTPUT_LAYER_CRITERIA:
+    if not takes_output_kernel(args[args.index("--criterion") + 1]):
         return args
     return args + ["--output-kernel", "eager"]
 
