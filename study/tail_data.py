@@ -181,7 +181,8 @@ def agg_rare_set(counts, alpha, nspecial):
     the default relative threshold at the paper's 32,768 tokens per update) for the window counts
     ``counts`` (a length-V tensor), and how many of its tokens have non-zero counts (those AGG
     gates by their frequency; the unseen ones get g1 = g2 = 0, as freezing would)."""
-    from fairseq_agg.ops.agg_gates import PAPER_TOKENS_PER_UPDATE, agg_gates
+    from fairseq_agg.ops.agg import agg_gates
+    from fairseq_agg.ops.agg_threshold import PAPER_TOKENS_PER_UPDATE
 
     ref_tokens = PAPER_TOKENS_PER_UPDATE["language_modeling"]
     gates = agg_gates(counts, 1, alpha, nspecial, threshold_mode="relative", ref_tokens=ref_tokens)

@@ -251,7 +251,7 @@ def replay_updates(data, base_args, extra, max_update):
 
 
 def test_fairseq_train_update_freq_2_window_equals_brute_force(lm_data_bin, tmp_path):
-    from fairseq_agg.ops.agg_gates import agg_gates
+    from fairseq_agg.ops.agg import agg_gates
 
     max_update = 18  # one epoch is 14 updates here: the window wraps around, across the epoch boundary
     extra = ["--criterion", "cross_entropy_agg", "--agg-alpha", str(UF_ALPHA), "--update-freq", "2",

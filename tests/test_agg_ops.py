@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
 
-from fairseq_agg.ops.agg_gates import TokenGates, agg_gates
+from fairseq_agg.ops.agg import TokenGates, agg_gates
 from fairseq_agg.ops.fused_linear_loss import LossRequest, fused_linear_loss
 from reference_constructions import gate_matrix, reference_output_loss
 

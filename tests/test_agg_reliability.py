@@ -6,7 +6,8 @@ import pytest
 import torch
 from fairseq import tasks
 
-from fairseq_agg.ops.agg_gates import agg_gates, alpha_allowed_range
+from fairseq_agg.ops.agg import agg_gates
+from fairseq_agg.ops.agg_threshold import alpha_allowed_range
 from fairseq_agg.ops.counting import RareTokenWindow
 from fairseq_runs import TINY_LM_ARGS
 from fairseq_runs import parse_config as parse

@@ -14,7 +14,8 @@ import pytest
 import torch
 from fairseq.trainer import Trainer
 
-from fairseq_agg.ops.agg_gates import PAPER_TOKENS_PER_UPDATE, agg_gates, resolve_threshold
+from fairseq_agg.ops.agg import agg_gates
+from fairseq_agg.ops.agg_threshold import PAPER_TOKENS_PER_UPDATE, resolve_threshold
 from fairseq_agg.ops.counting import RareTokenWindow
 from fairseq_runs import TINY_LM_ARGS, TINY_MT_ARGS
 from fairseq_runs import build_parts as build

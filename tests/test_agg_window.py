@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fairseq_agg.errors import UsageError
-from fairseq_agg.ops.agg_gates import agg_gates
+from fairseq_agg.ops.agg import agg_gates
 from fairseq_agg.ops.counting import RareTokenWindow, overflow_table, target_histogram
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from fairseq_agg.ops.agg_gates import TokenGates
+from fairseq_agg.ops.agg import TokenGates
 from fairseq_agg.ops.augmented import SCALES, TeacherTargets, aug_scale_factor, augmented_kl_direct, build_teacher
 from fairseq_agg.ops.fused_linear_loss import LossRequest, fused_linear_loss
 from reference_constructions import gate_matrix, reference_output_loss, reference_teacher

@@ -1,7 +1,7 @@
 """Another fused linear cross-entropy behind the package's contract (``LossRequest(kernel=...)``):
 PyTorch's own ``F.linear_cross_entropy``, which this torch has on the CPU, stands in for every
 foreign kernel. Plain CE, label smoothing, freezing and AGG (through its algebra in
-fairseq_agg/ops/agg_gates.py: two un-gated calls, a per-row dW scale and an O(N d) correction at
+fairseq_agg/ops/agg.py: two un-gated calls, a per-row dW scale and an O(N d) correction at
 the rare targets) equal the package's own chunk body in float64 (1e-12) and fp32;
 what such a kernel cannot compute, or a kernel that is not installed, is one UsageError."""
 import importlib.util
@@ -11,7 +11,7 @@ import torch
 
 from fairseq_agg.errors import UsageError
 from fairseq_agg.ops import LossRequest, agg_gates, build_teacher, fused_linear_loss
-from fairseq_agg.ops.agg_gates import target_column_correction
+from fairseq_agg.ops.agg import target_column_correction
 from fairseq_agg.ops.foreign_kernels import torch_smoothing
 from fairseq_agg.ops.freezing import FrozenRows
 

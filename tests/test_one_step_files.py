@@ -1,6 +1,6 @@
 """The files of one AGG step, as docs/architecture.md ("One training step") lists them: a real
 ``cross_entropy_agg`` criterion, built as fairseq-train builds it, runs one training micro-batch
-(forward and backward, the eager body) under a profiler hook that records every package file whose
+through fairseq's ``task.train_step`` (forward and backward, the eager body) under a profiler hook that records every package file whose
 code runs. The list in the docs is the set recorded, no more and no fewer."""
 import os
 import re
@@ -40,15 +40,15 @@ def _files_run_by(step):
 
 
 def test_one_agg_step_runs_the_files_the_docs_list(lm_data_bin):
-    _, task, model, criterion = build_parts(lm_data_bin, TINY_LM_ARGS,
-                                            ["--criterion", "cross_entropy_agg", "--output-kernel", "eager"])
-    sample = first_batch(task)
-    model.train()
+    from fairseq import optim
 
-    def step():
-        criterion.set_update_num(1)
-        loss, _, _ = criterion(model, sample)
-        loss.backward()
+    cfg, task, model, criterion = build_parts(lm_data_bin, TINY_LM_ARGS,
+                                              ["--criterion", "cross_entropy_agg", "--output-kernel", "eager"])
+    optimizer = optim.build_optimizer(cfg.optimizer, list(model.parameters()))
+    sample = first_batch(task)
+
+    def step():  # fairseq's Trainer calls the task's train_step once per micro-batch
+        task.train_step(sample, model, criterion, optimizer, update_num=1)
 
     step()  # the first step's one-off work (lazy set-up) is not part of every step
     model.zero_grad()

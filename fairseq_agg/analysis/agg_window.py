@@ -4,7 +4,7 @@ A checkpoint written with ``--criterion cross_entropy_agg`` (gating or freezing)
 criterion's window: the counts of the last K updates (``window.counts``) and ``window.meta`` =
 [K, update index, updates recorded]. With the run's own alpha, threshold mode and g1 mode this
 gives the rare set AGG gated at the last update, and the operating point
-(:func:`fairseq_agg.ops.agg_gates.operating_point`; docs/agg.md, "The operating point"): the
+(:func:`fairseq_agg.ops.agg_threshold.operating_point`; docs/agg.md, "The operating point"): the
 count per epoch below which a type is rare, and the share of updates in which a type at that count
 is a target. The tokens per update are the window's mean; an epoch is known when the window was
 sized automatically (``--agg-window 0``: one epoch of updates); with an explicit window the count
@@ -16,7 +16,8 @@ from typing import Optional
 import torch
 
 from fairseq_agg.fairseq_facts.dictionary import nspecial
-from fairseq_agg.ops.agg_gates import agg_gates, operating_point, resolve_threshold
+from fairseq_agg.ops.agg import agg_gates
+from fairseq_agg.ops.agg_threshold import operating_point, resolve_threshold
 
 from .checkpoints import cfg_get
 

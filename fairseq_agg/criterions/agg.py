@@ -8,7 +8,7 @@ contexts with another rare target by g2_r; its gradient from its own contexts is
 Rare tokens are found from target counts over the last K optimizer updates (K = updates per epoch
 by default). Counts move only in training, are summed over data-parallel ranks, and are saved in
 the checkpoint, so a resumed run continues with the same counts and gates. The method is
-:class:`fairseq_agg.ops.AggLoss` (the math in :mod:`fairseq_agg.ops.agg_gates`), rare-token
+:class:`fairseq_agg.ops.AggLoss` (the math in :mod:`fairseq_agg.ops.agg`), rare-token
 freezing :class:`fairseq_agg.ops.RareFreezing`; ``--aug-alpha`` adds the augmented loss in the same
 fused pass (:mod:`fairseq_agg.criterions.augmented_loss`; with it off, the step never passes
 through it). :meth:`AggCriterion.forward` is the whole step.
@@ -23,7 +23,7 @@ from fairseq_agg.fairseq_facts.dictionary import nspecial
 from fairseq_agg.fairseq_facts.distributed import data_parallel_group, data_parallel_world_size
 from fairseq_agg.fairseq_facts.training_loop import is_translation_task, updates_per_epoch
 from fairseq_agg.ops import AggLoss, RareFreezing, TeacherTargets, fused_linear_loss, gate_statistics
-from fairseq_agg.ops.agg_gates import resolve_threshold
+from fairseq_agg.ops.agg_threshold import resolve_threshold
 from fairseq_agg.stats.groups import frequency_groups, parse_fractions
 
 from .augmented_loss import (
@@ -158,7 +158,7 @@ class AggCriterion(OutputLossCriterion):
         logger.info(f"AGG: {self.agg.describe_operating_point(tokens, updates_per_epoch(batches_per_epoch, self.cfg.update_freq))}")
 
     def forward(self, model, sample, reduce=True):
-        batch = self.output_batch(model, sample)
+        batch = self.io.batch(model, sample)
         # Training only: count this micro-batch's targets into the window (a dummy batch counts
         # nothing but still joins the sum over the ranks), then gate, or freeze, its gradient.
         # Validation moves no counts and needs no gates (no gradient).
@@ -172,7 +172,7 @@ class AggCriterion(OutputLossCriterion):
                 extra = {"agg_freeze_steps": 1, "agg_frozen": frozen[0].mask.sum()} if frozen else {}
             else:
                 extra = {"agg_steps": 1, **gate_statistics(self.last_gates)}
-        request = self.batch_request(reduce, *((self.last_gates,) if frozen is None else frozen))
+        request = self.request.with_terms(*((self.last_gates,) if frozen is None else frozen), per_token=not reduce)
         if self.augmented is None:
             result = fused_linear_loss(batch.hidden, batch.weight, batch.target, request)
         else:  # the augmented loss (--aug-alpha > 0) joins the same fused pass
@@ -182,7 +182,7 @@ class AggCriterion(OutputLossCriterion):
         loss = result.loss
         if self.cfg.agg_legacy_double_loss:  # the released code's 2 x CE value; gradients unchanged
             loss = loss + loss.detach()
-        return self.finish(model, batch, loss, result, extra)
+        return self.io.finish(model, batch, loss, result.nll, extra)
 
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:

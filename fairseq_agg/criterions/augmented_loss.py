@@ -25,7 +25,9 @@ from fairseq_agg.fairseq_facts.dictionary import never_real_ids
 from fairseq_agg.ops import AugmentedLoss, TeacherTargets
 from fairseq_agg.ops.augmented import SCALES
 
-from .output_loss import OutputLossConfig, OutputLossCriterion, logged_total, output_projection_weight, refuse_without
+from fairseq_agg.fairseq_facts.output_layer import output_projection_weight
+
+from .output_loss import OutputLossConfig, OutputLossCriterion, logged_total, refuse_without
 
 AUG_SCALE_CHOICES = ChoiceEnum(list(SCALES))
 AUG_EMBED_CHOICES = ChoiceEnum(["input", "output"])
@@ -126,12 +128,13 @@ class AugmentedLossCriterion(OutputLossCriterion):
         return weight
 
     def forward(self, model, sample, reduce=True):
-        batch = self.output_batch(model, sample)
+        batch = self.io.batch(model, sample)
         update_num = self.loop.update_num  # alpha's warm-up follows the training updates
         embedding = teacher_matrix(model, self.cfg.aug_embed, self.augmented)
         result = self.augmented(batch.hidden, batch.weight, embedding, batch.target, update_num,
-                                self.batch_request(reduce))
-        return self.finish(model, batch, result.loss, result, augmented_logging(self.augmented, result, update_num))
+                                self.request.with_terms(per_token=not reduce))
+        extra = augmented_logging(self.augmented, result, update_num)
+        return self.io.finish(model, batch, result.loss, result.nll, extra)
 
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:

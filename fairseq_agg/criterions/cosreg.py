@@ -20,7 +20,9 @@ from fairseq_agg.ops import CosRegLoss, fused_linear_loss
 from fairseq_agg.ops.cosreg import NORMALIZERS
 from fairseq_agg.stats.groups import ROW_POLICIES, row_mask
 
-from .output_loss import OutputLossConfig, OutputLossCriterion, log_means, output_projection_weight
+from fairseq_agg.fairseq_facts.output_layer import output_projection_weight
+
+from .output_loss import OutputLossConfig, OutputLossCriterion, log_means
 
 MATRICES = ("output", "input", "both")
 
@@ -76,14 +78,15 @@ class CosRegCriterion(OutputLossCriterion):
         return matrices
 
     def forward(self, model, sample, reduce=True):
-        batch = self.output_batch(model, sample)
-        result = fused_linear_loss(batch.hidden, batch.weight, batch.target, self.batch_request(reduce))
+        batch = self.io.batch(model, sample)
+        request = self.request.with_terms(per_token=not reduce)
+        result = fused_linear_loss(batch.hidden, batch.weight, batch.target, request)
         regulariser = self.cosreg.regularizer(*self.regularised_matrices(model))
         loss = result.loss
         if self.cosreg.gamma > 0:  # fairseq divides by sample_size: gamma * R per sample unit
             term = (self.cosreg.gamma * batch.sample_size) * regulariser
             loss = loss + (term if reduce else term / max(loss.numel(), 1))
-        return self.finish(model, batch, loss, result, {"cosreg": regulariser.detach(), "cosreg_steps": 1})
+        return self.io.finish(model, batch, loss, result.nll, {"cosreg": regulariser.detach(), "cosreg_steps": 1})
 
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:

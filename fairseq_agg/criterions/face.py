@@ -77,14 +77,14 @@ class FaceCriterion(OutputLossCriterion):
             self.set_epoch_window(self.face.counter, batches_per_epoch, "FACE")
 
     def forward(self, model, sample, reduce=True):
-        batch = self.output_batch(model, sample)
+        batch = self.io.batch(model, sample)
         # training moves the counts (the targets before the pass, or the argmax after it);
         # validation does not
         update_num = self.loop.training_update(model, self.name)
-        result = self.face(batch.hidden, batch.weight, batch.target, update_num, self.batch_request(reduce),
-                           dummy=self.loop.ignore_grad)
+        request = self.request.with_terms(per_token=not reduce)
+        result = self.face(batch.hidden, batch.weight, batch.target, update_num, request, dummy=self.loop.ignore_grad)
         extra = {"face_weight": result.terms[FaceWeights.name]["weight"].data}
-        return self.finish(model, batch, result.loss, result, extra)
+        return self.io.finish(model, batch, result.loss, result.nll, extra)
 
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:

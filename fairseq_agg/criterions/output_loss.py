@@ -4,12 +4,13 @@ A criterion runs the model with ``features_only=True`` and applies the decoder's
 itself through :func:`fairseq_agg.ops.fused_linear_loss`, so the logits are computed once, in
 chunks of ``--output-chunk-tokens`` target tokens, and never kept as a tokens x V tensor. LM and MT
 go through the same code; label smoothing is a parameter (fairseq's convention). Each criterion
-holds the method objects of :mod:`fairseq_agg.ops` it uses and calls them in its own ``forward``;
-this base gives it the pad-free rows of a batch (:meth:`OutputLossCriterion.output_batch`), the
+holds the method objects of :mod:`fairseq_agg.ops` it uses and calls them in its own ``forward``,
+between ``self.io.batch`` (the pad-free rows of a batch) and ``self.io.finish`` (fairseq's answer
+and the logging), both :mod:`fairseq_agg.fairseq_facts.output_layer`. This base builds them and the
 request of the shared flags (``self.request``, built and checked once at start-up; a batch adds
-its terms with ``LossRequest.with_terms``), the training loop
-(``self.loop``), the live embedding statistics (``self.embedding_stats``), checkpointed counts
-(:meth:`~OutputLossCriterion.keep_in_checkpoints`) and the logging (:meth:`~OutputLossCriterion.finish`).
+its terms with ``LossRequest.with_terms``), the training loop (``self.loop``), the live embedding
+statistics (``self.embedding_stats``) and checkpointed counts
+(:meth:`~OutputLossCriterion.keep_in_checkpoints`).
 
 Logged like fairseq's stock criteria: ``loss`` (the optimised loss, base 2, per ``sample_size``),
 ``nll_loss`` (plain cross-entropy, base 2, per target token) and ``ppl`` derived from ``nll_loss``.
@@ -21,7 +22,6 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-import torch
 from fairseq import metrics, utils
 from fairseq.criterions import FairseqCriterion
 from fairseq.dataclass import ChoiceEnum
@@ -29,9 +29,10 @@ from omegaconf import II
 
 from fairseq_agg.errors import UsageError, flag_name, plain_value
 from fairseq_agg.fairseq_facts.checkpoint_files import criterion_state_saved_after, last_loaded_checkpoint
-from fairseq_agg.fairseq_facts.checkpoint_state import anchor_criterion_state, anchored, holds_criterion_state
+from fairseq_agg.fairseq_facts.checkpoint_state import anchor_criterion_state, holds_criterion_state
+from fairseq_agg.fairseq_facts.output_layer import OutputLayerIO, output_projection_weight, training_device
 from fairseq_agg.fairseq_facts.training_loop import TrainingLoop, updates_per_epoch
-from fairseq_agg.ops import LossRequest, LossResult
+from fairseq_agg.ops import LossRequest
 from fairseq_agg.ops.output_kernel import FLAG_CHOICES, check_available, describe, foreign_refusal
 from fairseq_agg.stats.config import EmbeddingStatsConfig
 from fairseq_agg.stats.live import EmbeddingStats, reduce_embedding_stats
@@ -86,51 +87,6 @@ def refuse_without(cfg, config_class, names, switch_on: bool, switch: str):
             raise UsageError(f"{flag_name(name)} needs {switch}")
 
 
-def training_device(cfg) -> torch.device:
-    """The device fairseq trains on: a GPU when there is one, unless ``--cpu``."""
-    return torch.device("cuda" if torch.cuda.is_available() and not cfg.cpu else "cpu")
-
-
-def output_projection_weight(model):
-    """The V x d output matrix of a fairseq decoder, refusing setups without one."""
-    decoder = getattr(model, "decoder", None)
-    if decoder is None:
-        raise UsageError("this criterion needs an encoder-decoder or decoder-only fairseq model with a decoder")
-    if getattr(decoder, "adaptive_softmax", None) is not None:
-        raise UsageError(
-            "--adaptive-softmax-cutoff is not supported by this criterion: it needs the full output "
-            "projection matrix (train without adaptive softmax)"
-        )
-    embed = getattr(decoder, "embed_tokens", None)
-    if embed is not None and embed.__class__.__name__ == "AdaptiveInput":
-        raise UsageError("--adaptive-input is not supported by this criterion (train with a plain embedding)")
-    projection = getattr(decoder, "output_projection", None)
-    if not isinstance(projection, torch.nn.Linear):
-        raise UsageError(
-            "the model has no linear output projection (decoder.output_projection); this criterion "
-            "needs one (tied via --share-decoder-input-output-embed / --share-all-embeddings, or untied)"
-        )
-    if projection.bias is not None:
-        raise UsageError("output projections with a bias are not supported by this criterion")
-    return projection.weight
-
-
-@dataclass
-class OutputBatch:
-    """A micro-batch as the output layer sees it: the ``hidden`` features and ``target`` ids of its
-    non-padding positions (rows ``keep`` of the flattened (B, T) ``padded_target``, in order), the
-    output projection ``weight``, and fairseq's sizes."""
-
-    hidden: torch.Tensor
-    weight: torch.Tensor
-    target: torch.Tensor
-    keep: torch.Tensor
-    padded_target: torch.Tensor
-    sample_size: int
-    ntokens: int
-    nsentences: int
-
-
 def logged_total(logging_outputs):
     """``total(key)``: the sum of ``key`` over the logging outputs (0 where missing)."""
     return lambda key: sum(log.get(key, 0) for log in logging_outputs)
@@ -171,11 +127,13 @@ class OutputLossCriterion(FairseqCriterion):
         self.restart_flag = None  # the boolean flag that starts them empty instead of loading them
         self._model_checked = False
         self._state_size_reported = False
-        self._kernel_logged = False
+        # reads fairseq's batches, answers fairseq (the criterion's forward calls it first and last)
+        self.io = OutputLayerIO(self.padding_idx, cfg.sentence_avg, on_first_batch=self.first_batch,
+                                log_stats=self.embedding_stats.log)
 
     def refuse_output_kernel(self, *term_types):
         """A foreign ``--output-kernel`` that cannot compute the terms this criterion will add (their
-        classes, :mod:`fairseq_agg.ops.terms`): a UsageError at start-up."""
+        classes, :class:`fairseq_agg.ops.output_chunk.Term`): a UsageError at start-up."""
         kernel = self.request.output_kernel
         if kernel.foreign:
             refusal = foreign_refusal(kernel, term_types, label_smoothing=self.request.label_smoothing > 0)
@@ -209,6 +167,7 @@ class OutputLossCriterion(FairseqCriterion):
         self.state_names = tuple(counters)
         self.restart_flag = restart_flag
         anchor_criterion_state(self)
+        self.io.anchor = self
         self.report_state_size()
 
     def report_state_size(self):
@@ -260,53 +219,14 @@ class OutputLossCriterion(FairseqCriterion):
             raise UsageError(f"{source}: the counts of {self.name} fail a check: {error}; {restart} starts them "
                              "empty instead") from None
 
-    # --- one forward
-    def output_batch(self, model, sample) -> OutputBatch:
-        """The model's features (``features_only=True``) at the non-padding targets: padding is
-        masked everywhere, before the output layer."""
+    # --- one forward: reading the batch and answering fairseq is self.io's (fairseq_facts/output_layer.py)
+    def first_batch(self, model):
+        """Before the first forward: the model's check (where fairseq's begin_epoch did not run it)
+        and which output layer runs, in one log line."""
         if not self._model_checked:
             self.check_model(model)
         weight = output_projection_weight(model)
-        if not self._kernel_logged:
-            self._kernel_logged = True
-            logger.info(f"{self.name}: output layer: {describe(self.request.output_kernel, weight.device)}")
-        net_output = model(**sample["net_input"], features_only=True)
-        features = net_output[0]
-        padded_target = model.get_targets(sample, net_output)
-        target = padded_target.reshape(-1)
-        keep = target.ne(self.padding_idx).nonzero().squeeze(1)
-        ntokens, nsentences = sample["ntokens"], sample["target"].size(0)
-        return OutputBatch(
-            hidden=features.reshape(-1, features.size(-1)).index_select(0, keep), weight=weight,
-            target=target.index_select(0, keep), keep=keep, padded_target=padded_target,
-            sample_size=nsentences if self.sentence_avg else ntokens, ntokens=ntokens, nsentences=nsentences,
-        )
-
-    def batch_request(self, reduce: bool, *terms) -> LossRequest:
-        """The request of this batch: the shared flags' (``self.request``), per-token losses for
-        ``reduce=False``, and ``terms``."""
-        return self.request.with_terms(*terms, per_token=not reduce)
-
-    def finish(self, model, batch: OutputBatch, loss, result: LossResult, extra: dict):
-        """fairseq's ``(loss, sample_size, logging_output)``; per-token losses (``reduce=False``)
-        are put back at their (B x T) positions."""
-        nll = result.nll
-        if loss.dim() == 1:
-            loss, nll = self.per_position(batch, loss), self.per_position(batch, nll)
-        if self.state_names:
-            loss = anchored(loss, self)
-        logging_output = {
-            "loss": loss.data, "nll_loss": nll.data, "ntokens": batch.ntokens, "nsentences": batch.nsentences,
-            "sample_size": batch.sample_size,
-        }
-        logging_output.update(extra)
-        self.embedding_stats.log(model, logging_output)
-        return loss, batch.sample_size, logging_output
-
-    @staticmethod
-    def per_position(batch: OutputBatch, values):
-        positions = torch.zeros(batch.padded_target.numel(), dtype=values.dtype, device=values.device)
-        return positions.index_copy(0, batch.keep, values)
+        logger.info(f"{self.name}: output layer: {describe(self.request.output_kernel, weight.device)}")
 
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:

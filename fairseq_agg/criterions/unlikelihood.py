@@ -46,12 +46,12 @@ class UnlikelihoodCriterion(OutputLossCriterion):
         self.refuse_output_kernel(UnlikelihoodCandidates)
 
     def forward(self, model, sample, reduce=True):
-        batch = self.output_batch(model, sample)
+        batch = self.io.batch(model, sample)
         result = self.unlikelihood(batch.hidden, batch.weight, batch.padded_target, batch.keep,
-                                   self.batch_request(reduce))
+                                   self.request.with_terms(per_token=not reduce))
         values = result.terms[UnlikelihoodCandidates.name]
         extra = {"ul_loss": values["penalty"].data, "ul_candidates": values["candidates"].data}
-        return self.finish(model, batch, result.loss, result, extra)
+        return self.io.finish(model, batch, result.loss, result.nll, extra)
 
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:

@@ -15,6 +15,8 @@ methods need a little more. Each module here reads one kind of fact and says how
 * :mod:`.flag_choices`: the plugin's flags among fairseq's options, and an invalid choice of one
   in one line;
 * :mod:`.optimizer_params`: the model behind the parameter list fairseq hands an optimizer;
+* :mod:`.output_layer`: what a model and sample give an output-layer criterion (its features, output
+  projection and targets, the training device), and the answer fairseq takes back;
 * :mod:`.meters`: removing a meter from fairseq's ``MetersDict``;
 * :mod:`.numpy_check`: a fairseq whose compiled extensions do not import under numpy 2.
 

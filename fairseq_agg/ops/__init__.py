@@ -10,7 +10,8 @@ fairseq flag. Usage: docs/api.md.
 
 * the output layer: :func:`fused_linear_loss` with a :class:`LossRequest`, returning a
   :class:`LossResult` (chunked, fp32 softmax, no tokens x V tensor); the methods join it as
-  terms (:class:`Term`, :mod:`fairseq_agg.ops.terms`);
+  terms (:class:`Term`, one of three roles: :data:`ADDS_LOSS`, :data:`WEIGHTS_ROWS`, :data:`GATES_DW`;
+  :mod:`fairseq_agg.ops.output_chunk`);
 * the methods, each an object that validates its arguments at construction: :class:`AggLoss`
   (AGG, owns its counting window), :class:`RareFreezing`, :class:`AugmentedLoss`,
   :class:`FaceLoss`, :class:`UnlikelihoodLoss`, :class:`CosRegLoss`;
@@ -21,20 +22,19 @@ from fairseq_agg.stats.metrics import (
     embedding_spectrum, isotropy, mean_pairwise_cosine, singular_values, tev_per_token, tev_stats,
 )
 
-from .agg import AggLoss
-from .agg_gates import TokenGates, agg_gates, gate_statistics
+from .agg import AggLoss, TokenGates, agg_gates, gate_statistics
 from .augmented import AugmentedLoss, TeacherTargets, aug_scale_factor, augmented_kl_direct, build_teacher
 from .cosreg import CosRegLoss, cosine_regularizer
 from .counting import CumulativeCounts, RareTokenWindow, target_histogram
 from .face import FaceLoss, FaceWeights, face_post_weights, face_token_weights
 from .freezing import FrozenRows, RareFreezing, frozen_rare_rows
 from .fused_linear_loss import LossRequest, LossResult, fused_linear_loss
-from .terms import Term, TermOut
+from .output_chunk import ADDS_LOSS, GATES_DW, WEIGHTS_ROWS, Term, TermOut
 from .unlikelihood import UnlikelihoodCandidates, UnlikelihoodLoss, unlikelihood_candidates
 
 __all__ = [
     # the output layer
-    "LossRequest", "LossResult", "fused_linear_loss", "Term", "TermOut",
+    "LossRequest", "LossResult", "fused_linear_loss", "Term", "TermOut", "ADDS_LOSS", "WEIGHTS_ROWS", "GATES_DW",
     # the methods
     "AggLoss", "RareFreezing", "AugmentedLoss", "FaceLoss", "UnlikelihoodLoss", "CosRegLoss",
     # their parts

@@ -9,7 +9,7 @@ request, and one result back:
 :class:`LossRequest` carries what is the same for a run (label smoothing in fairseq's convention:
 the target gets 1 - eps, every other entry eps / (V - 1); the chunk size; which kernel,
 :mod:`fairseq_agg.ops.output_kernel`) and, added per batch by :meth:`LossRequest.with_terms`, an
-ordered tuple of **terms** (:mod:`fairseq_agg.ops.terms`): each adds a loss, weights rows, or gates
+ordered tuple of **terms** (:class:`fairseq_agg.ops.output_chunk.Term`): each adds a loss, weights rows, or gates
 dW, and is read here only through that one interface; the methods' modules import this one, never
 the other way round. :class:`LossResult` gives back the loss, the NLL and, by each term's name, the
 sums of the values it logs; ``per_token`` gives per-token losses (fairseq's ``reduce=False``).
@@ -34,9 +34,10 @@ import torch
 from fairseq_agg.errors import check_integer, check_number
 
 from .foreign_kernels import foreign_linear_loss
-from .output_chunk import BodyPlan, TermPlan, add_columns, smoothing_weights
-from .output_kernel import BodyRunner, OutputKernel, foreign_refusal
-from .terms import ADDS_LOSS, GATES_DW, ROLES, Term
+from .output_chunk import (
+    ADDS_LOSS, GATES_DW, ROLES, BodyPlan, Term, TermPlan, add_columns, body_runner, smoothing_weights,
+)
+from .output_kernel import OutputKernel, foreign_refusal
 
 
 def _matmul_into(out, a, b, accumulate=False):
@@ -194,7 +195,7 @@ class _ChunkLoop:
     def __init__(self, hidden, weight, request: LossRequest, needs_grad: bool, row_scale):
         n_rows, vocab, device = hidden.size(0), weight.size(0), hidden.device
         self.request, self.needs_grad, self.row_scale, self.weight = request, needs_grad, row_scale, weight
-        self.runner = BodyRunner(request.output_kernel.body, device)
+        self.runner = body_runner(request.output_kernel.body, device)
         self.acc = acc = loss_dtype(hidden, weight)
         opts = dict(dtype=acc, device=device)
         self.grad_hidden = torch.empty(hidden.shape, **opts) if needs_grad else None

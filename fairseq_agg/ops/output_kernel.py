@@ -13,21 +13,19 @@ The choice has two axes (:class:`OutputKernel`):
 The flag ``--output-kernel`` (and ``LossRequest(kernel=...)``) names one point of the two axes in
 one word, as it always has: a body (``auto``, ``eager``, ``compiled``) runs the package's loop, a
 foreign name its kernel. This module also checks a choice at start-up, says in one line what runs,
-and runs the compiled body (one compiled graph per body plan, each on a code object of its own).
+and resolves ``auto`` on a device (the body itself runs in :mod:`fairseq_agg.ops.output_chunk`).
 """
-import contextlib
 import importlib
 import logging
 import shutil
-import types
-from typing import Callable, Dict, NamedTuple, Optional
+from dataclasses import dataclass, field
+from typing import Dict, Optional
 
 import torch
 
 from fairseq_agg.errors import UsageError, check_choice
 
 from .foreign_kernels import load_foreign_kernel
-from .output_chunk import BodyPlan, RowValues, chunk_body
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +42,17 @@ DESCRIPTIONS = {
 }
 
 
-class OutputKernel(NamedTuple):
+@dataclass(frozen=True)
+class OutputKernel:
     """A point of the two axes: ``implementation`` (package, torch, liger, cce) and, for the
     package's loop, its ``body`` (auto, eager, compiled; None for a foreign kernel)."""
 
     implementation: str
     body: Optional[str]
+    foreign: bool = field(init=False)  # another library's kernel, not the package's loop
+
+    def __post_init__(self):
+        object.__setattr__(self, "foreign", self.implementation != PACKAGE)
 
     @classmethod
     def from_flag(cls, value) -> "OutputKernel":
@@ -61,18 +64,14 @@ class OutputKernel(NamedTuple):
     def flag(self) -> str:
         return self.body if self.implementation == PACKAGE else self.implementation
 
-    @property
-    def foreign(self) -> bool:
-        return self.implementation != PACKAGE
-
 
 # --- can the body be compiled here ---------------------------------------------------------------
 
 
-def _private_settings():
-    """The two settings :func:`_compile_settings` patches, from torch's private config modules,
-    looked up only when the compiled path is asked for (they move between torch versions): (dynamo
-    config, fx config), or the reason this torch lacks them."""
+def private_compile_settings():
+    """The two settings the compiled body patches (:class:`~fairseq_agg.ops.output_chunk.BodyRunner`),
+    from torch's private config modules, looked up only when the compiled path is asked for (they
+    move between torch versions): (dynamo config, fx config), or the reason this torch lacks them."""
     try:
         import torch._dynamo
 
@@ -90,7 +89,7 @@ def compile_unavailable(device: torch.device) -> Optional[str]:
     """Why ``torch.compile`` cannot generate the chunk body's kernel on ``device``, or None."""
     if not hasattr(torch, "compile"):
         return f"torch {torch.__version__} has no torch.compile"
-    settings = _private_settings()
+    settings = private_compile_settings()
     if isinstance(settings, str):
         return settings
     if device.type == "cuda":
@@ -160,85 +159,9 @@ def foreign_refusal(kernel: OutputKernel, terms=(), *, label_smoothing: bool = F
     return None
 
 
-# --- running the compiled body -------------------------------------------------------------------
-
-MAX_GRAPHS = 4096
-_compiled: Dict[BodyPlan, Callable] = {}
-_compiled_in_place: Dict[Callable, Callable] = {}
-
-
-def _own_code(function: Callable, name: str) -> Callable:
-    """``function`` with a code object of its own named ``name``, for Dynamo to compile and cache apart."""
-    # co_qualname exists from Python 3.11 on
-    names = {"co_name": name, **({"co_qualname": name} if hasattr(function.__code__, "co_qualname") else {})}
-    return types.FunctionType(function.__code__.replace(**names), function.__globals__, name)
-
-
-def _compiled_version(cache: dict, key, function: Callable, name: str) -> Callable:
-    """The compiled ``function`` kept under ``key``. Each key gets a code object of its own:
-    Dynamo keeps, and caps, the graphs per code object, so plans sharing one would crowd each
-    other out of that cap in a process that uses many of them."""
-    compiled = cache.get(key)
-    if compiled is None:
-        own = _own_code(function, f"{name}_{len(cache)}")
-        # dynamic: the rows of a chunk (and V, and a term's widths) vary without recompiling
-        compiled = cache[key] = torch.compile(own, dynamic=True, fullgraph=True)
-    return compiled
-
-
-def _compile_settings():
-    """Dynamo's settings for the chunk body: no duck sizing, which would tie sizes that happen to
-    be equal in the first call (a chunk's rows and the batch's, a width of 2) and compile again
-    when they differ; and room for a process's many plans under Dynamo's cap on all its graphs."""
-    dynamo_config, fx_config = _private_settings()  # present: resolve_body chose "compiled"
-    stack = contextlib.ExitStack()
-    stack.enter_context(dynamo_config.patch(accumulated_recompile_limit=MAX_GRAPHS))
-    stack.enter_context(fx_config.patch(use_duck_shape=False))
-    return stack
-
-
 def note_compile_failure(device: torch.device, error: BaseException):
     """Records that compilation failed on ``device``: ``auto`` runs eagerly from now on."""
     reason = f"torch.compile failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     if device.type not in _fallen_back:
         logger.warning(f"fused output layer: {reason}; running the eager chunk body instead")
     _fallen_back[device.type] = reason
-
-
-class BodyRunner:
-    """How one pass of the chunk loop runs its bodies: the body chosen (``auto``, ``eager`` or
-    ``compiled``) resolved on ``device``; under ``auto`` a failed compilation falls back to eager
-    once and for all (said in the log)."""
-
-    def __init__(self, body: str, device: torch.device):
-        self.asked, self.device = body, device
-        self.body = resolve_body(body, device)
-
-    def __call__(self, plan: BodyPlan, *args) -> RowValues:
-        if self.body == "compiled" and self.asked == "auto":
-            try:
-                return self._run(plan, args)
-            except Exception as error:  # noqa: BLE001 - any compiler failure: the eager body is the same math
-                note_compile_failure(self.device, error)
-                self.body = "eager"
-        return self._run(plan, args)
-
-    def _run(self, plan, args):
-        if self.body == "eager":
-            return chunk_body(plan, *args)
-        with _compile_settings():
-            return _compiled_version(_compiled, plan, chunk_body, "chunk_body")(plan, *args)
-
-    def in_place(self, function: Callable, grad: torch.Tensor, inputs_of: Callable, eager_block: int):
-        """The static in-place ``function(grad_rows, inputs)`` over a written chunk gradient, with
-        ``inputs_of(rows)`` the inputs of those rows: over the whole chunk compiled, or eager
-        through blocks of ``eager_block`` rows (the eager body's cache-sized blocks) so that its
-        temporaries stay small."""
-        if self.body == "compiled":
-            compiled = _compiled_version(_compiled_in_place, function, function, function.__name__)
-            with _compile_settings():
-                compiled(grad, inputs_of(slice(0, grad.size(0))))
-            return
-        for start in range(0, grad.size(0), eager_block):
-            rows = slice(start, start + eager_block)
-            function(grad[rows], inputs_of(rows))

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from fairseq import utils as fairseq_utils
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
 
-from fairseq_agg.ops.agg_gates import agg_gates
+from fairseq_agg.ops.agg import agg_gates
 from fairseq_agg.ops.counting import target_histogram
 from fairseq_agg.ops.foreign_kernels import torch_smoothing
 

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from fairseq_agg.ops.agg_gates import TokenGates
+from fairseq_agg.ops.agg import TokenGates
 
 
 def smoothed_nll(logits, target, epsilon):

@@ -33,11 +33,11 @@ class ZLossCriterion(OutputLossCriterion):
         self.refuse_output_kernel(ZLoss)
 
     def forward(self, model, sample, reduce=True):
-        batch = self.output_batch(model, sample)
-        request = self.batch_request(reduce, ZLoss(self.coef))
+        batch = self.io.batch(model, sample)
+        request = self.request.with_terms(ZLoss(self.coef), per_token=not reduce)
         result = fused_linear_loss(batch.hidden, batch.weight, batch.target, request)
         extra = {"zloss": result.terms[ZLoss.name]["lse_squared"].data}
-        return self.finish(model, batch, result.loss, result, extra)
+        return self.io.finish(model, batch, result.loss, result.nll, extra)
 
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:

@@ -4,12 +4,12 @@ each row's log-partition towards 0,
     loss_n = coef * lse(z_n)^2,   d loss_n / d z_n = 2 coef lse(z_n) softmax(z_n)
 
 (an auxiliary loss of large language models, e.g. PaLM's ``z_loss``). It is written only against
-the public interface of :mod:`fairseq_agg.ops.terms`, and no file of ``fairseq_agg/ops/`` names
+the public interface of :class:`fairseq_agg.ops.Term`, and no file of ``fairseq_agg/ops/`` names
 it: the tests (tests/test_toy_term.py) run it eagerly, compiled and in a real ``fairseq-train``.
 """
 import torch
 
-from fairseq_agg.ops.terms import ADDS_LOSS, Term, TermOut
+from fairseq_agg.ops import ADDS_LOSS, Term, TermOut
 
 
 class ZLoss(Term):
