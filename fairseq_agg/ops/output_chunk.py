@@ -59,6 +59,8 @@ import torch
 
 from .output_kernel import note_compile_failure, private_compile_settings, resolve_body
 
+# --- the terms -----------------------------------------------------------------------------------
+
 ADDS_LOSS = "adds a loss"  # per-row loss, its logit gradient (and sparse columns)
 WEIGHTS_ROWS = "weights rows"  # one factor per row on the cross-entropy and its gradient
 GATES_DW = "gates dW"  # a factor on the logit gradient that forms dW, and/or a change of the summed dW
@@ -120,7 +122,8 @@ class Term:
         raise NotImplementedError(f"{type(self).__name__} cannot run on another kernel")
 
 
-# --- the body
+# --- the body ------------------------------------------------------------------------------------
+
 
 class Tile:
     """A chunk of logits as every term sees it: ``z`` (rows x V) in the accumulation dtype, the
