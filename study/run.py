@@ -21,6 +21,7 @@ import os
 import sys
 
 from examples.lm_demo import wordsim
+from fairseq_agg.ops import output_kernel
 from study import parts as P
 from study import report as R
 from study import store
@@ -64,6 +65,9 @@ def build_parser():
                         "directory WORK2 (e.g. made with --updates 6000): a section of table.md and "
                         f"budget_comparison.json (parts: {compared_parts()})")
     p.add_argument("--cpu", action="store_true", help="train on the CPU even if a GPU is present")
+    p.add_argument("--output-kernel", choices=output_kernel.FLAG_CHOICES,
+                   help="--output-kernel of the runs whose criterion is one of the plugin's output-layer criteria "
+                        "(default: theirs, auto); part of a run's identity when given")
     p.add_argument("--verbose", action="store_true", help="show fairseq's own log lines (always in each run's train.log)")
     g = p.add_argument_group("data (the demos' corpora; see the demos' --help)")
     g.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "fairseq-agg"),
@@ -210,8 +214,10 @@ def plan_part(a, part):
     out = []
     for spec in specs:
         d = store.run_dir(a.work_dir, part.name, spec.run_id)
-        cmd = store.resumable_command(spec.train_command(budget, budget["updates"], data_bin, d, a.cpu), budget["updates"],
-                                      epoch_checkpoints=a.epoch_checkpoints)
+        cmd = spec.train_command(budget, budget["updates"], data_bin, d, a.cpu)
+        if a.output_kernel and cmd[cmd.index("--criterion") + 1] in output_kernel.OUTPUT_LAYER_CRITERIA:
+            cmd = [*cmd, "--output-kernel", a.output_kernel]
+        cmd = store.resumable_command(cmd, budget["updates"], epoch_checkpoints=a.epoch_checkpoints)
         key = store.run_key(cmd, data_bin, d, part.corpus.data_flags(a), evaluation_settings(a, part, budget))
         out.append((spec, d, cmd, key, store.finished(d)))
     return budget, out

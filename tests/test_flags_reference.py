@@ -120,3 +120,15 @@ def test_a_registered_optimizer_of_the_plugin_is_in_the_reference(monkeypatch):
     assert "## Optimizers (`--optimizer`)" in text
     section = text.split("### `--optimizer example_optimizer`\n", 1)[1].split("###", 1)[0]
     assert "| `--example-rate` | `0.25` | how fast it goes |" in section
+
+
+def test_the_criteria_that_take_output_kernel_are_the_ones_the_commands_add_it_to():
+    # study/run.py adds --output-kernel only to runs of these criteria: every criterion of this
+    # package whose dataclass has the flag, and no other
+    from fairseq.criterions import CRITERION_REGISTRY
+
+    from fairseq_agg.ops.output_kernel import OUTPUT_LAYER_CRITERIA
+    own = {name for name, cls in CRITERION_REGISTRY.items() if cls.__module__.startswith("fairseq_agg.")}
+    with_flag = {name for name in own
+                 if any(f.name == "output_kernel" for f in dataclasses.fields(CRITERION_DATACLASS_REGISTRY[name]))}
+    assert with_flag == set(OUTPUT_LAYER_CRITERIA) and len(OUTPUT_LAYER_CRITERIA) == len(with_flag)

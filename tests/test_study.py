@@ -502,8 +502,9 @@ def smoke_args(fixtures, work, part, *only):
     # word similarity (a 28 MB download when not cached) is checked in the lm smoke alone
     data = (["--ding-file", fixtures["ding"], "--lo-help-dir", fixtures["lo"]] if part == "mt"
             else ["--bible-sqlite", *fixtures["bible"]] + (["--no-word-sim"] if part != "lm" else []))
+    # the output layer eager: the kernel's paths have tests of their own (test_output_kernel*.py)
     return ["--part", part, "--budget", "smoke", "--seeds", "1", "--work-dir", work, "--vocab-size", "300",
-            *data, "--only", *only]
+            "--output-kernel", "eager", *data, "--only", *only]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -518,6 +519,7 @@ def smoke_args(fixtures, work, part, *only):
     (["--validate-every", "0"], "--validate-every must be >= 1"),
     (["--seeds", "1", "1"], "--seeds must be distinct"),
     (["--budget", "huge"], "--budget"),
+    (["--output-kernel", "fast"], "--output-kernel"),
 ])
 def test_bad_flags_are_one_clear_error_before_anything_is_written(tmp_path, args, message):
     work = tmp_path / "work"
@@ -567,6 +569,7 @@ def test_lm_smoke_resumes_without_redoing_finished_runs(work, repo_root, fixture
         assert run["command"][run["command"].index("--seed") + 1] == "1" and run["key"]["data"]["vocab"] == 300
         assert run["data"]["stamp"]["vocab"] == 300 and "git" in run
         assert ("--share-decoder-input-output-embed" in run["command"]) == (name == "baseline")
+        assert "--output-kernel" not in run["command"]  # a stock criterion: the study adds it to the plugin's only
         # every number is the analysis report of the run's final checkpoint
         rep = json.load(open(d / "analysis" / "report.json"))["checkpoints"][0]
         assert res["metrics"]["test_ppl"] == pytest.approx(rep["ppl"]["total"]["ppl"]) and rep["num_updates"] == 12

