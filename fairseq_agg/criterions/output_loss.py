@@ -118,7 +118,6 @@ class OutputLossCriterion(FairseqCriterion):
         self.cfg = cfg
         self.name = name
         self.request = request
-        self.sentence_avg = cfg.sentence_avg
         self.dictionary = task.target_dictionary
         self.loop = TrainingLoop(task, cfg.train_subset or "train", on_epoch_batches=self.on_epoch_batches,
                                  on_begin_epoch=lambda epoch, model: self.check_model(model))

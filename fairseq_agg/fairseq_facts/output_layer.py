@@ -75,8 +75,7 @@ class OutputLayerIO:
     (:func:`~fairseq_agg.fairseq_facts.checkpoint_state.anchored`), or None.
     """
 
-    def __init__(self, padding_idx: int, sentence_avg: bool, on_first_batch: Optional[Callable] = None,
-                 log_stats: Optional[Callable] = None):
+    def __init__(self, padding_idx: int, sentence_avg: bool, on_first_batch: Optional[Callable], log_stats: Callable):
         self.padding_idx, self.sentence_avg = padding_idx, sentence_avg
         self.on_first_batch, self.log_stats = on_first_batch, log_stats
         self.anchor = None
@@ -112,8 +111,7 @@ class OutputLayerIO:
             "sample_size": batch.sample_size,
         }
         logging_output.update(extra)
-        if self.log_stats is not None:
-            self.log_stats(model, logging_output)
+        self.log_stats(model, logging_output)
         return loss, batch.sample_size, logging_output
 
 
