@@ -204,6 +204,15 @@ def evaluation_settings(a, part, budget):
     return out
 
 
+def output_layer_criteria():
+    """The plugin's criteria that take --output-kernel, read from fairseq's registry."""
+    import fairseq_agg
+    from fairseq_agg.fairseq_facts.flag_choices import plugin_criteria_taking
+
+    fairseq_agg.register_with_fairseq()
+    return plugin_criteria_taking("output_kernel")
+
+
 def plan_part(a, part):
     """(the part's budget, [(spec, run dir, command, key, (run.json, result.json) if finished else
     None)]): every run of the part, decided before anything runs."""
@@ -211,11 +220,11 @@ def plan_part(a, part):
     data_bin = part.corpus.data_bin(a.work_dir)
     seeds = a.seeds or list(part.seeds)
     specs = [s for s in P.run_specs(part, a.budget, seeds) if not a.only or s.name in a.only]
-    out = []
+    out, taking_kernel = [], output_layer_criteria() if a.output_kernel else ()
     for spec in specs:
         d = store.run_dir(a.work_dir, part.name, spec.run_id)
         cmd = spec.train_command(budget, budget["updates"], data_bin, d, a.cpu)
-        if a.output_kernel and cmd[cmd.index("--criterion") + 1] in output_kernel.OUTPUT_LAYER_CRITERIA:
+        if cmd[cmd.index("--criterion") + 1] in taking_kernel:
             cmd = [*cmd, "--output-kernel", a.output_kernel]
         cmd = store.resumable_command(cmd, budget["updates"], epoch_checkpoints=a.epoch_checkpoints)
         key = store.run_key(cmd, data_bin, d, part.corpus.data_flags(a), evaluation_settings(a, part, budget))

@@ -30,6 +30,7 @@ AUG = ["--criterion", "augmented_loss"]
 UL = ["--criterion", "cross_entropy_unlikelihood"]
 COSREG = ["--criterion", "cross_entropy_cosreg"]
 FACE = ["--criterion", "cross_entropy_face"]
+AFL = ["--criterion", "cross_entropy_antifocal"]
 STATS = ["--criterion", "cross_entropy_with_stats"]
 MLRA = ["--arch", "transformer_lm_mlra"]
 HUGE_WINDOW = str(10 ** 12)  # 10^12 updates x V one-byte counts: petabytes, refused before anything is allocated
@@ -92,6 +93,8 @@ TRAIN_CASES = [
      ("--output-kernel torch", "augmented loss")),
     ("ul-output-kernel-torch", UL + ["--output-kernel", "torch"], ("--output-kernel torch", "unlikelihood")),
     ("face-output-kernel-torch", FACE + ["--output-kernel", "torch"], ("--output-kernel torch", "FACE")),
+    ("antifocal-output-kernel-torch", AFL + ["--output-kernel", "torch"], ("--output-kernel torch", "anti-focal")),
+    ("antifocal-gamma-negative", AFL + ["--antifocal-gamma", "-1"], "--antifocal-gamma must be >= 0"),
     # --- unlikelihood, CosReg, FACE
     ("ul-alpha-inf", UL + ["--ul-alpha", "inf"], "--ul-alpha"),
     ("ul-alpha-nan", UL + ["--ul-alpha", "nan"], "--ul-alpha"),

@@ -122,13 +122,28 @@ def test_a_registered_optimizer_of_the_plugin_is_in_the_reference(monkeypatch):
     assert "| `--example-rate` | `0.25` | how fast it goes |" in section
 
 
-def test_the_criteria_that_take_output_kernel_are_the_ones_the_commands_add_it_to():
-    # study/run.py adds --output-kernel only to runs of these criteria: every criterion of this
-    # package whose dataclass has the flag, and no other
+class _ExampleOutputCriterion:
+    """Stands for an output-layer criterion the plugin would register (its config has --output-kernel)."""
+
+
+class _ExamplePlainCriterion:
+    """Stands for a criterion of the plugin without the fused output layer."""
+
+
+def test_the_criteria_that_take_output_kernel_are_read_from_the_registry(monkeypatch):
+    # study/run.py adds --output-kernel only to runs of these: the plugin's criteria whose config has
+    # the flag, read from fairseq's registry, so that a new criterion counts without a list to edit
     from fairseq.criterions import CRITERION_REGISTRY
 
-    from fairseq_agg.ops.output_kernel import OUTPUT_LAYER_CRITERIA
-    own = {name for name, cls in CRITERION_REGISTRY.items() if cls.__module__.startswith("fairseq_agg.")}
-    with_flag = {name for name in own
-                 if any(f.name == "output_kernel" for f in dataclasses.fields(CRITERION_DATACLASS_REGISTRY[name]))}
-    assert with_flag == set(OUTPUT_LAYER_CRITERIA) and len(OUTPUT_LAYER_CRITERIA) == len(with_flag)
+    from fairseq_agg.criterions.output_loss import OutputLossConfig, OutputLossCriterion
+    from fairseq_agg.fairseq_facts.flag_choices import plugin_criteria_taking
+    registered = plugin_criteria_taking("output_kernel")
+    own = {name: cls for name, cls in CRITERION_REGISTRY.items() if cls.__module__.startswith("fairseq_agg.")}
+    assert set(registered) == {name for name, cls in own.items() if issubclass(cls, OutputLossCriterion)}
+    assert "cross_entropy_agg" in registered and "cross_entropy_with_stats" not in registered
+    for cls, config, name in ((_ExampleOutputCriterion, OutputLossConfig, "example_output"),
+                              (_ExamplePlainCriterion, _ExampleOptimizerConfig, "example_plain")):
+        monkeypatch.setattr(cls, "__module__", f"fairseq_agg.criterions.{name}")
+        monkeypatch.setitem(CRITERION_REGISTRY, name, cls)
+        monkeypatch.setitem(CRITERION_DATACLASS_REGISTRY, name, config)
+    assert plugin_criteria_taking("output_kernel") == tuple(sorted(registered + ("example_output",)))

@@ -14,7 +14,6 @@ import tarfile
 import pytest
 import torch
 
-from fairseq_agg.ops.output_kernel import OUTPUT_LAYER_CRITERIA
 from study import parts as P
 from study import run as SR
 from study import tail as T
@@ -463,7 +462,7 @@ def test_tail_smoke_every_run_report_and_resume(tail_smoke, repo_root):
         assert m["test_ppl_demo_rare"] == pytest.approx(m["ppl"]["demo"]["groups"]["rare"]["ppl"])
         assert m["word_similarity"]["pairs"]["single"]["pairs"] == 4  # "nosuch" is not a word of the corpus
         command = json.load(open(work / "tail" / spec.run_id / "run.json"))["command"]
-        if spec.method["criterion"] in OUTPUT_LAYER_CRITERIA:  # --output-kernel eager where it applies
+        if spec.method["criterion"] in SR.output_layer_criteria():  # --output-kernel eager where it applies
             assert command[command.index("--output-kernel") + 1] == "eager"
         else:
             assert "--output-kernel" not in command

@@ -44,6 +44,17 @@ def plugin_flags():
     return {flag_name(field.name) for config in plugin_dataclasses() for field in dataclasses.fields(config)}
 
 
+def plugin_criteria_taking(field_name: str):
+    """The names of the plugin's registered criteria whose config declares ``field_name``
+    (``output_kernel``: the output-layer criteria), sorted; read from fairseq's registry, so that a
+    new criterion counts without a list to edit. Call it after ``fairseq_agg.register_with_fairseq()``."""
+    registry = REGISTRIES["criterion"]
+    configs = {name: registry["dataclass_registry"].get(name) for name, cls in registry["registry"].items()
+               if from_plugin(cls)}
+    return tuple(sorted(name for name, config in configs.items()
+                        if config is not None and any(f.name == field_name for f in dataclasses.fields(config))))
+
+
 def one_line_choice_error(message: str, flags) -> str:
     """The plugin's wording of argparse's invalid-choice ``message`` for one of ``flags``, or None."""
     found = _INVALID_CHOICE.match(message)

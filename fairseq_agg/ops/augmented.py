@@ -71,7 +71,7 @@ class TeacherTargets(Term):
     def gated(self) -> bool:
         return self.gate_with_agg
 
-    def check_inputs(self, target: torch.Tensor, vocab: int) -> None:
+    def check_inputs(self, target: torch.Tensor, vocab: int, request=None) -> None:
         if self.index.shape != target.shape:
             raise ValueError("teacher.index must have one entry per target")
 

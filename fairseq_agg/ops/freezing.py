@@ -43,7 +43,7 @@ class FrozenRows(Term):
     role = GATES_DW
     foreign_refusal = None  # the summed dW of any kernel
 
-    def check_inputs(self, target: torch.Tensor, vocab: int) -> None:
+    def check_inputs(self, target: torch.Tensor, vocab: int, request=None) -> None:
         if self.mask.dtype != torch.bool or self.mask.shape != (vocab,):
             raise ValueError(f"frozen_rows must be a bool mask of shape ({vocab},)")
 

@@ -14,6 +14,10 @@ dW, and is read here only through that one interface; the methods' modules impor
 the other way round. :class:`LossResult` gives back the loss, the NLL and, by each term's name, the
 sums of the values it logs; ``per_token`` gives per-token losses (fairseq's ``reduce=False``).
 
+The file reads in execution order: the request and the result, :func:`fused_linear_loss`, the
+autograd Function, the chunk loop (:class:`_ChunkLoop`: per chunk the logits matmul, the body on
+each block of rows, then dH and dW), and last the small helpers they call.
+
 The logits ``Z = H W^T`` are computed once, chunk by chunk over the tokens, into one reused buffer
 in the model dtype; the chunk body (:mod:`fairseq_agg.ops.output_chunk`: cross-entropy and the
 fold over the terms, one generated kernel when compiled) turns them, in place, into the logit
@@ -39,64 +43,7 @@ from .output_chunk import (
 )
 from .output_kernel import OutputKernel, foreign_refusal
 
-
-def _matmul_into(out, a, b, accumulate=False):
-    """out (+)= a @ b with the matmul in b's dtype; in place (no temporary) when all dtypes agree."""
-    if a.dtype == b.dtype == out.dtype:
-        if accumulate:
-            out.addmm_(a, b)
-        else:
-            torch.mm(a, b, out=out)
-    else:
-        product = (a.to(b.dtype) @ b).to(out.dtype)
-        if accumulate:
-            out += product
-        else:
-            out.copy_(product)
-
-
-# On a CPU the eager chunk body works block by block, a block of rows small enough (~4 MiB) that
-# the temporaries of its dozen operations stay in cache. On a GPU, and for the compiled body (one
-# kernel that keeps each row in registers or cache anyway), the whole chunk is one block.
-_CPU_BLOCK_BYTES = 1 << 22
-
-
-def block_rows(device, vocab, dtype, chunk_rows):
-    """Rows of a V-wide block of element-wise work (see ``_CPU_BLOCK_BYTES``)."""
-    if device.type != "cpu":
-        return chunk_rows
-    size = torch.empty((), dtype=dtype).element_size()
-    return max(1, min(chunk_rows, _CPU_BLOCK_BYTES // (vocab * size)))
-
-
-def loss_dtype(*tensors) -> torch.dtype:
-    """fp32 at least for softmax and loss arithmetic (fp16/bf16 inputs), float64 for float64 inputs."""
-    dtype = torch.float32
-    for tensor in tensors:
-        dtype = torch.promote_types(dtype, tensor.dtype)
-    return dtype
-
-
-def check_output_layer_inputs(hidden, weight, target):
-    """One clear error for inputs of the wrong shape."""
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.size(1) != weight.size(1):
-        raise ValueError(f"expected hidden (N, d) and weight (V, d), got {tuple(hidden.shape)} and {tuple(weight.shape)}")
-    if target.shape != hidden.shape[:1]:
-        raise ValueError(f"target must have shape ({hidden.size(0)},), got {tuple(target.shape)}")
-
-
 # --- the request and the result ----------------------------------------------------------------
-
-def _checked_terms(terms) -> Tuple[Term, ...]:
-    """The terms as a tuple (None left out), each with a known role, the names of logged values unique."""
-    terms = tuple(term for term in terms if term is not None)
-    names = [term.name for term in terms if term.value_names]
-    for term in terms:
-        if getattr(term, "role", None) not in ROLES:
-            raise ValueError(f"a term's role must be one of {', '.join(ROLES)}, got {term!r}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"two terms log values under the same name: {', '.join(names)}")
-    return terms
 
 
 @dataclass
@@ -140,6 +87,18 @@ class LossRequest:
         return [(term.name, name) for term in self.terms for name in term.value_names]
 
 
+def _checked_terms(terms) -> Tuple[Term, ...]:
+    """The terms as a tuple (None left out), each with a known role, the names of logged values unique."""
+    terms = tuple(term for term in terms if term is not None)
+    names = [term.name for term in terms if term.value_names]
+    for term in terms:
+        if getattr(term, "role", None) not in ROLES:
+            raise ValueError(f"a term's role must be one of {', '.join(ROLES)}, got {term!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"two terms log values under the same name: {', '.join(names)}")
+    return terms
+
+
 @dataclass
 class LossResult:
     """What the fused layer returns; every tensor but ``loss`` carries no gradient."""
@@ -150,7 +109,96 @@ class LossResult:
     argmax: Optional[torch.Tensor] = None  # (N,) argmax of every row's logits, when asked
 
 
-# --- the chunk loop ------------------------------------------------------------------------------
+# --- the entry ---------------------------------------------------------------------------------
+
+
+def fused_linear_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, request: Optional[LossRequest] = None
+) -> LossResult:
+    """The loss of ``softmax(hidden @ weight.T)`` against ``target``, with the terms of ``request``.
+
+    Args:
+        hidden: (N, d) decoder features of the non-padding positions.
+        weight: (V, d) output projection (no bias).
+        target: (N,) target ids; padding must already be removed by the caller.
+        request: what to add to cross-entropy (:class:`LossRequest`); ``None`` = plain CE.
+
+    Returns:
+        A :class:`LossResult`: the differentiable loss (summed, or per token) and the values of
+        every term for logging.
+    """
+    request = LossRequest() if request is None else request
+    check_output_layer_inputs(hidden, weight, target)
+    for term in request.terms:
+        term.check_inputs(target, weight.size(0), request)
+    if request.output_kernel.foreign:
+        refusal = foreign_refusal(request.output_kernel, request.terms, label_smoothing=request.label_smoothing > 0,
+                                  argmax=request.needs_argmax)
+        row_loss, row_nll = foreign_linear_loss(hidden, weight, target, request, refusal)
+        return LossResult(loss=row_loss if request.per_token else row_loss.sum(),
+                          nll=row_nll if request.per_token else row_nll.sum())
+    # Under torch.no_grad (validation) the gradients are not formed at all.
+    compute_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    loss, nll, argmax, *values = _FusedLinearLoss.apply(hidden, weight, target, request, compute_grad)
+    return LossResult(loss=loss, nll=nll, terms=_by_term(request, values),
+                      argmax=argmax if request.needs_argmax else None)
+
+
+def _by_term(request: LossRequest, values) -> Dict[str, Dict[str, torch.Tensor]]:
+    terms: Dict[str, Dict[str, torch.Tensor]] = {}
+    for (term, name), value in zip(request.logged_values(), values):
+        terms.setdefault(term, {})[name] = value
+    return terms
+
+
+# --- the autograd Function ---------------------------------------------------------------------
+
+
+class _FusedLinearLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, target, request, compute_grad):
+        needs_grad = compute_grad and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
+        # Per-token losses get a different gradient per token: the gradients are formed in backward,
+        # by a second pass that knows them. Summed losses get theirs now, in the same pass.
+        out = _output_layer_pass(hidden, weight, target, request, needs_grad and not request.per_token)
+        if request.per_token:
+            ctx.save_for_backward(hidden, weight, target)
+            ctx.request = request
+        else:
+            ctx.save_for_backward(out.grad_hidden, out.grad_weight)
+        ctx.computed = needs_grad
+        ctx.input_dtypes = (hidden.dtype, weight.dtype)
+        values = (out.nll, out.argmax, *out.values)
+        ctx.mark_non_differentiable(*values)
+        return (out.loss, *values)
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_grad_values):
+        if not ctx.computed:
+            raise RuntimeError("fused_linear_loss was called without gradient tracking; it cannot be backpropagated")
+        hidden_dtype, weight_dtype = ctx.input_dtypes
+        if getattr(ctx, "request", None) is not None:
+            hidden, weight, target = ctx.saved_tensors
+            out = _output_layer_pass(hidden, weight, target, ctx.request, True, row_scale=grad_loss)
+            grad_hidden, grad_weight = out.grad_hidden, out.grad_weight
+        else:
+            grad_hidden, grad_weight = ctx.saved_tensors
+            grad_hidden, grad_weight = grad_hidden * grad_loss, grad_weight * grad_loss
+        out_h = grad_hidden.to(hidden_dtype) if ctx.needs_input_grad[0] else None
+        out_w = grad_weight.to(weight_dtype) if ctx.needs_input_grad[1] else None
+        return out_h, out_w, None, None, None
+
+
+# --- the chunk loop ----------------------------------------------------------------------------
+
+
+def _output_layer_pass(hidden, weight, target, request: LossRequest, needs_grad, row_scale=None) -> "_Pass":
+    """One pass over the chunks: the values, and with ``needs_grad`` dH and dW, each row's part of
+    the logit gradient multiplied by ``row_scale[n]`` when given (the per-token backward)."""
+    loop = _ChunkLoop(hidden, weight, request, needs_grad, row_scale)
+    for start, stop in chunk_bounds(hidden.size(0), request.chunk_size):
+        loop.chunk(hidden, target, start, stop)
+    return loop.result()
 
 
 class _Pass(NamedTuple):
@@ -160,28 +208,6 @@ class _Pass(NamedTuple):
     argmax: torch.Tensor  # empty unless asked
     grad_hidden: Optional[torch.Tensor]
     grad_weight: Optional[torch.Tensor]
-
-
-def _tile_gates(request: LossRequest):
-    return [term for term in request.terms if term.role == GATES_DW and term.tile is not None]
-
-
-def gate_after_dh(request: LossRequest, device: torch.device, needs_grad: bool) -> bool:
-    """Whether the gates run as an in-place pass after dH = G W instead of as the body's second
-    output. On a CPU a second chunk x V buffer costs page faults at every call (here a fresh
-    256 MiB buffer takes about 0.09 s to write, an in-place pass over one 0.02 s); on a GPU the
-    caching allocator keeps it, and the second output saves that pass's read. A loss term kept
-    apart from the gates needs the second output everywhere (G_w = Gamma * G_gated + G_apart)."""
-    gates = _tile_gates(request)
-    return (needs_grad and device.type == "cpu" and bool(gates) and all(term.gates_in_place for term in gates)
-            and all(term.gated for term in request.terms if term.role == ADDS_LOSS))
-
-
-def body_plan(request: LossRequest, acc: torch.dtype, needs_grad: bool, row_scale: bool, body_terms) -> BodyPlan:
-    """The static shape of the chunk body for ``request`` (one compiled graph per plan)."""
-    return BodyPlan(acc=acc, smoothing=request.label_smoothing > 0, needs_grad=needs_grad, row_scale=row_scale,
-                    argmax=request.needs_argmax,
-                    terms=tuple(TermPlan(term.role, term.tile, term.gated) for _, term in body_terms))
 
 
 class _ChunkLoop:
@@ -272,13 +298,7 @@ class _ChunkLoop:
                      grad_hidden=self.grad_hidden, grad_weight=self.grad_weight)
 
 
-def _output_layer_pass(hidden, weight, target, request: LossRequest, needs_grad, row_scale=None) -> _Pass:
-    """One pass over the chunks: the values, and with ``needs_grad`` dH and dW, each row's part of
-    the logit gradient multiplied by ``row_scale[n]`` when given (the per-token backward)."""
-    loop = _ChunkLoop(hidden, weight, request, needs_grad, row_scale)
-    for start, stop in chunk_bounds(hidden.size(0), request.chunk_size):
-        loop.chunk(hidden, target, start, stop)
-    return loop.result()
+# --- what the loop calls -----------------------------------------------------------------------
 
 
 def chunk_bounds(n_rows: int, chunk_size: int):
@@ -290,75 +310,68 @@ def chunk_bounds(n_rows: int, chunk_size: int):
     return bounds
 
 
-class _FusedLinearLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, target, request, compute_grad):
-        needs_grad = compute_grad and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
-        # Per-token losses get a different gradient per token: the gradients are formed in backward,
-        # by a second pass that knows them. Summed losses get theirs now, in the same pass.
-        out = _output_layer_pass(hidden, weight, target, request, needs_grad and not request.per_token)
-        if request.per_token:
-            ctx.save_for_backward(hidden, weight, target)
-            ctx.request = request
+def body_plan(request: LossRequest, acc: torch.dtype, needs_grad: bool, row_scale: bool, body_terms) -> BodyPlan:
+    """The static shape of the chunk body for ``request`` (one compiled graph per plan)."""
+    return BodyPlan(acc=acc, smoothing=request.label_smoothing > 0, needs_grad=needs_grad, row_scale=row_scale,
+                    argmax=request.needs_argmax,
+                    terms=tuple(TermPlan(term.role, term.tile, term.gated) for _, term in body_terms))
+
+
+def gate_after_dh(request: LossRequest, device: torch.device, needs_grad: bool) -> bool:
+    """Whether the gates run as an in-place pass after dH = G W instead of as the body's second
+    output. On a CPU a second chunk x V buffer costs page faults at every call (here a fresh
+    256 MiB buffer takes about 0.09 s to write, an in-place pass over one 0.02 s); on a GPU the
+    caching allocator keeps it, and the second output saves that pass's read. A loss term kept
+    apart from the gates needs the second output everywhere (G_w = Gamma * G_gated + G_apart)."""
+    gates = _tile_gates(request)
+    return (needs_grad and device.type == "cpu" and bool(gates) and all(term.gates_in_place for term in gates)
+            and all(term.gated for term in request.terms if term.role == ADDS_LOSS))
+
+
+def _tile_gates(request: LossRequest):
+    return [term for term in request.terms if term.role == GATES_DW and term.tile is not None]
+
+
+def _matmul_into(out, a, b, accumulate=False):
+    """out (+)= a @ b with the matmul in b's dtype; in place (no temporary) when all dtypes agree."""
+    if a.dtype == b.dtype == out.dtype:
+        if accumulate:
+            out.addmm_(a, b)
         else:
-            ctx.save_for_backward(out.grad_hidden, out.grad_weight)
-        ctx.computed = needs_grad
-        ctx.input_dtypes = (hidden.dtype, weight.dtype)
-        values = (out.nll, out.argmax, *out.values)
-        ctx.mark_non_differentiable(*values)
-        return (out.loss, *values)
-
-    @staticmethod
-    def backward(ctx, grad_loss, *_grad_values):
-        if not ctx.computed:
-            raise RuntimeError("fused_linear_loss was called without gradient tracking; it cannot be backpropagated")
-        hidden_dtype, weight_dtype = ctx.input_dtypes
-        if getattr(ctx, "request", None) is not None:
-            hidden, weight, target = ctx.saved_tensors
-            out = _output_layer_pass(hidden, weight, target, ctx.request, True, row_scale=grad_loss)
-            grad_hidden, grad_weight = out.grad_hidden, out.grad_weight
+            torch.mm(a, b, out=out)
+    else:
+        product = (a.to(b.dtype) @ b).to(out.dtype)
+        if accumulate:
+            out += product
         else:
-            grad_hidden, grad_weight = ctx.saved_tensors
-            grad_hidden, grad_weight = grad_hidden * grad_loss, grad_weight * grad_loss
-        out_h = grad_hidden.to(hidden_dtype) if ctx.needs_input_grad[0] else None
-        out_w = grad_weight.to(weight_dtype) if ctx.needs_input_grad[1] else None
-        return out_h, out_w, None, None, None
+            out.copy_(product)
 
 
-def _by_term(request: LossRequest, values) -> Dict[str, Dict[str, torch.Tensor]]:
-    terms: Dict[str, Dict[str, torch.Tensor]] = {}
-    for (term, name), value in zip(request.logged_values(), values):
-        terms.setdefault(term, {})[name] = value
-    return terms
+# On a CPU the eager chunk body works block by block, a block of rows small enough (~4 MiB) that
+# the temporaries of its dozen operations stay in cache. On a GPU, and for the compiled body (one
+# kernel that keeps each row in registers or cache anyway), the whole chunk is one block.
+_CPU_BLOCK_BYTES = 1 << 22
 
 
-def fused_linear_loss(
-    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, request: Optional[LossRequest] = None
-) -> LossResult:
-    """The loss of ``softmax(hidden @ weight.T)`` against ``target``, with the terms of ``request``.
+def block_rows(device, vocab, dtype, chunk_rows):
+    """Rows of a V-wide block of element-wise work (see ``_CPU_BLOCK_BYTES``)."""
+    if device.type != "cpu":
+        return chunk_rows
+    size = torch.empty((), dtype=dtype).element_size()
+    return max(1, min(chunk_rows, _CPU_BLOCK_BYTES // (vocab * size)))
 
-    Args:
-        hidden: (N, d) decoder features of the non-padding positions.
-        weight: (V, d) output projection (no bias).
-        target: (N,) target ids; padding must already be removed by the caller.
-        request: what to add to cross-entropy (:class:`LossRequest`); ``None`` = plain CE.
 
-    Returns:
-        A :class:`LossResult`: the differentiable loss (summed, or per token) and the values of
-        every term for logging.
-    """
-    request = LossRequest() if request is None else request
-    check_output_layer_inputs(hidden, weight, target)
-    for term in request.terms:
-        term.check_inputs(target, weight.size(0))
-    if request.output_kernel.foreign:
-        refusal = foreign_refusal(request.output_kernel, request.terms, label_smoothing=request.label_smoothing > 0,
-                                  argmax=request.needs_argmax)
-        row_loss, row_nll = foreign_linear_loss(hidden, weight, target, request, refusal)
-        return LossResult(loss=row_loss if request.per_token else row_loss.sum(),
-                          nll=row_nll if request.per_token else row_nll.sum())
-    # Under torch.no_grad (validation) the gradients are not formed at all.
-    compute_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    loss, nll, argmax, *values = _FusedLinearLoss.apply(hidden, weight, target, request, compute_grad)
-    return LossResult(loss=loss, nll=nll, terms=_by_term(request, values),
-                      argmax=argmax if request.needs_argmax else None)
+def loss_dtype(*tensors) -> torch.dtype:
+    """fp32 at least for softmax and loss arithmetic (fp16/bf16 inputs), float64 for float64 inputs."""
+    dtype = torch.float32
+    for tensor in tensors:
+        dtype = torch.promote_types(dtype, tensor.dtype)
+    return dtype
+
+
+def check_output_layer_inputs(hidden, weight, target):
+    """One clear error for inputs of the wrong shape."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.size(1) != weight.size(1):
+        raise ValueError(f"expected hidden (N, d) and weight (V, d), got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if target.shape != hidden.shape[:1]:
+        raise ValueError(f"target must have shape ({hidden.size(0)},), got {tuple(target.shape)}")

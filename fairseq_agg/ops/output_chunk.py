@@ -1,8 +1,10 @@
 """The body of the fused output layer's chunk loop, the **terms** it folds over, and how it runs.
 
 The body is everything between ``Z = H_c W^T`` and the matmuls ``dH = G W`` and ``dW += G_w^T H_c``,
-as one pure function of the logit tile. It is a fold: cross-entropy (with fairseq's label
-smoothing) is its core; the request's terms join it by role, in the request's order.
+as one pure function of the logit tile (:func:`chunk_body`, read top to bottom below). It is a
+fold: cross-entropy (with fairseq's label smoothing; :func:`cross_entropy` and
+:func:`cross_entropy_grad`, together) is its core; the request's terms join it by role, in the
+request's order.
 
 **A term** is what a method adds to the fused output layer, one interface for every method
 (:class:`Term`). A :class:`~fairseq_agg.ops.fused_linear_loss.LossRequest` carries an ordered
@@ -18,15 +20,30 @@ tuple of them. A term has
 * a static ``tile(tile, inputs) -> TermOut``: pure tensor code on the tile (None for a gate that
   acts on the summed dW only, such as freezing).
 
-The rest has defaults: what it checks against a call's inputs, what it does to the summed dW
-(:meth:`Term.finish_grad_weight`), whether it needs each row's argmax, and whether and how another
-fused cross-entropy (``--output-kernel torch``, ``liger``, ``cce``) can serve it
+**What a term's ``tile`` sees** is the :class:`Tile`, a small context: the logits ``z`` (in the
+accumulation dtype), ``target``, ``is_target`` (each row's target as a comparison with the column
+index), ``row_max`` and ``lse`` (rows x 1), ``argmax`` (when asked), the body's cross-entropy
+``ce`` (per row, label-smoothed when the request smooths), ``nll`` (= -log p_t, the target's
+negative log-probability), ``smoothing`` (None, or the smoothed targets' two values
+(1 - eps - eps_i, eps_i), eps_i = eps / (V - 1)), and ``probs()`` (softmax), ``target_logprob()``,
+``smoothed_targets()`` (Q, rows x V) and ``ce_grad()`` (P - Q, d ce / dz). A term never recomputes
+cross-entropy and is never handed eps apart from the request.
+
+The rest has defaults: what it checks against a call's inputs and request (:meth:`Term.check_inputs`,
+so a term refuses a setting it cannot serve, e.g. label smoothing, in one line), what it does to
+the summed dW (:meth:`Term.finish_grad_weight`), whether it needs each row's argmax, and whether
+and how another fused cross-entropy (``--output-kernel torch``, ``liger``, ``cce``) can serve it
 (:attr:`Term.foreign_refusal`). A new method subclasses :class:`Term` in its own module; nothing
 here or in the chunk loop names a method.
 
 **The fold**, by role:
 
-* the terms that **weight rows** scale each row's cross-entropy and its gradient;
+* the terms that **weight rows** multiply each row's cross-entropy by a factor w (``TermOut.factor``).
+  A constant weight scales the gradient by the same w. A weight that depends on the target's
+  probability and carries gradient gives its derivative ``TermOut.slope`` = dw / d log p_t too:
+  the body then adds ce * slope * (e_t - P) (d log p_t / dz = e_t - P), so such a method (focal or
+  anti-focal weights) writes no rows x V gradient of its own. Several weights multiply (their
+  slopes by the product rule);
 * the terms that **add a loss** add a per-row loss and a logit-gradient expression (the gradients
   in the reverse order of the losses), plus optional sparse columns, which the caller adds in
   place after the body (inside a compiled graph a scatter would copy the whole chunk);
@@ -62,7 +79,7 @@ from .output_kernel import note_compile_failure, private_compile_settings, resol
 # --- the terms -----------------------------------------------------------------------------------
 
 ADDS_LOSS = "adds a loss"  # per-row loss, its logit gradient (and sparse columns)
-WEIGHTS_ROWS = "weights rows"  # one factor per row on the cross-entropy and its gradient
+WEIGHTS_ROWS = "weights rows"  # one factor per row on the cross-entropy (and its derivative, if it has one)
 GATES_DW = "gates dW"  # a factor on the logit gradient that forms dW, and/or a change of the summed dW
 ROLES = (ADDS_LOSS, WEIGHTS_ROWS, GATES_DW)
 
@@ -70,8 +87,9 @@ ROLES = (ADDS_LOSS, WEIGHTS_ROWS, GATES_DW)
 class TermOut(NamedTuple):
     """What a term gives back on a tile, by role: a loss term its per-row ``loss`` (weighted, in
     the optimised loss), the logit-gradient expression ``grad`` (rows x V) and, where it has
-    sparse columns, their ids (rows x L) and the gradient added there; a row weight or a gate its
-    ``factor`` ((rows,) or rows x V). ``values`` are the per-row values it logs, in the order of
+    sparse columns, their ids (rows x L) and the gradient added there; a row weight its ``factor``
+    (rows,) and, where the weight carries gradient, its ``slope`` (rows,), d factor / d log p_t;
+    a gate its ``factor`` (rows x V). ``values`` are the per-row values it logs, in the order of
     its ``value_names`` (the layer returns their sums)."""
 
     loss: Optional[torch.Tensor] = None
@@ -80,6 +98,7 @@ class TermOut(NamedTuple):
     values: Tuple[torch.Tensor, ...] = ()
     columns: Optional[torch.Tensor] = None
     column_grad: Optional[torch.Tensor] = None
+    slope: Optional[torch.Tensor] = None
 
 
 class Term:
@@ -101,8 +120,19 @@ class Term:
         """The term's inputs for the token positions ``rows`` (targets ``target``)."""
         return None
 
-    def check_inputs(self, target: torch.Tensor, vocab: int) -> None:
-        """Refuses a call whose targets (N,) or vocabulary V do not fit this term (ValueError)."""
+    def scalars(self, acc: torch.dtype, device, *values) -> Tuple[torch.Tensor, ...]:
+        """``values`` (the term's numbers) as 0-d tensors of dtype ``acc`` on ``device``, made once per
+        dtype and device and kept on the term: for ``tile_inputs``, so that another value never
+        recompiles the body."""
+        made = self.__dict__.setdefault("_scalars_made", {})
+        if (acc, device) not in made:
+            made[acc, device] = tuple(torch.tensor(value, dtype=acc, device=device) for value in values)
+        return made[acc, device]
+
+    def check_inputs(self, target: torch.Tensor, vocab: int, request=None) -> None:
+        """Refuses a call whose targets (N,), vocabulary V or request
+        (:class:`~fairseq_agg.ops.fused_linear_loss.LossRequest`) do not fit this term (ValueError,
+        or a :class:`~fairseq_agg.errors.UsageError` naming the flag)."""
 
     def finish_grad_weight(self, grad_weight: torch.Tensor) -> None:
         """Changes the summed dW (V x d) in place after every chunk (a gate on dW's rows)."""
@@ -122,37 +152,7 @@ class Term:
         raise NotImplementedError(f"{type(self).__name__} cannot run on another kernel")
 
 
-# --- the body ------------------------------------------------------------------------------------
-
-
-class Tile:
-    """A chunk of logits as every term sees it: ``z`` (rows x V) in the accumulation dtype, the
-    targets, each row's target as a comparison with the column index (``is_target``, never
-    materialised when compiled), the row maximum and log-sum-exp (rows x 1)."""
-
-    def __init__(self, z: torch.Tensor, target: torch.Tensor, acc: torch.dtype, with_argmax: bool):
-        self.target = target
-        self.columns = torch.arange(z.size(1), device=target.device)
-        self.is_target = self.columns.unsqueeze(0) == target.unsqueeze(1)
-        self.z = z.to(acc)
-        if with_argmax:
-            row_max, self.argmax = self.z.max(dim=1, keepdim=True)
-            self.argmax = self.argmax.squeeze(1)
-        else:
-            row_max, self.argmax = self.z.amax(dim=1, keepdim=True), None
-        self.row_max = row_max
-        self.lse = row_max + torch.exp(self.z - row_max).sum(dim=1, keepdim=True).log()
-
-    @property
-    def vocab(self) -> int:
-        return self.z.size(1)
-
-    def probs(self) -> torch.Tensor:
-        """softmax(z), recomputed from z and lse (see the module docstring)."""
-        return torch.exp(self.z - self.lse)
-
-    def target_logit(self) -> torch.Tensor:
-        return self.z.gather(1, self.target.unsqueeze(1)).squeeze(1)
+# --- the body, top to bottom ---------------------------------------------------------------------
 
 
 class TermPlan(NamedTuple):
@@ -185,6 +185,80 @@ class RowValues(NamedTuple):
     columns: Tuple[tuple, ...] = ()
 
 
+def chunk_body(plan: BodyPlan, z, target, smoothing, row_scale, grad_out, grad_weight_out, inputs) -> RowValues:
+    """One chunk: the per-row values, and with ``plan.needs_grad`` the logit gradient written into
+    ``grad_out`` (for dH; it may be ``z`` itself) and the gated one into ``grad_weight_out`` (for dW,
+    only with a gate in the plan). ``inputs`` holds each term's tile inputs, in the plan's order.
+    Reads all of ``z`` before writing."""
+    tile = Tile(z, target, plan.acc, plan.argmax, smoothing if plan.smoothing else None)  # and its cross-entropy
+    outs = [None] * len(plan.terms)
+    row_weight = row_slope = None
+    for i, term in enumerate(plan.terms):  # the row weights, multiplied
+        if term.role == WEIGHTS_ROWS:
+            outs[i] = term.tile(tile, inputs[i])
+            row_weight, row_slope = _times(row_weight, row_slope, outs[i])
+    loss = tile.ce if row_weight is None else row_weight * tile.ce
+    for i, term in enumerate(plan.terms):  # the added losses
+        if term.role == ADDS_LOSS:
+            outs[i] = term.tile(tile, inputs[i])
+            loss = loss + outs[i].loss
+    values = RowValues(loss=loss, nll=tile.nll, argmax=tile.argmax,
+                       terms=tuple(() if out is None else out.values for out in outs))
+    if not plan.needs_grad:
+        return values
+    columns = _write_gradients(plan, tile, row_weight, row_slope, outs, inputs, row_scale, grad_out, grad_weight_out)
+    return values._replace(columns=columns)
+
+
+class Tile:
+    """A chunk of logits as every term sees it (the module docstring lists what it holds), with
+    the body's cross-entropy of it computed once."""
+
+    def __init__(self, z: torch.Tensor, target: torch.Tensor, acc: torch.dtype, with_argmax: bool,
+                 smoothing: Optional[torch.Tensor] = None):
+        self.target = target
+        self.columns = torch.arange(z.size(1), device=target.device)
+        self.is_target = self.columns.unsqueeze(0) == target.unsqueeze(1)
+        self.z = z.to(acc)
+        if with_argmax:
+            row_max, self.argmax = self.z.max(dim=1, keepdim=True)
+            self.argmax = self.argmax.squeeze(1)
+        else:
+            row_max, self.argmax = self.z.amax(dim=1, keepdim=True), None
+        self.row_max = row_max
+        self.lse = row_max + torch.exp(self.z - row_max).sum(dim=1, keepdim=True).log()
+        self.smoothing = smoothing
+        self.ce, self.nll = cross_entropy(self)
+
+    @property
+    def vocab(self) -> int:
+        return self.z.size(1)
+
+    def probs(self) -> torch.Tensor:
+        """softmax(z), recomputed from z and lse (see the module docstring)."""
+        return torch.exp(self.z - self.lse)
+
+    def target_logit(self) -> torch.Tensor:
+        return self.z.gather(1, self.target.unsqueeze(1)).squeeze(1)
+
+    def target_logprob(self) -> torch.Tensor:
+        """log p_t per row."""
+        return -self.nll
+
+    def smoothed_targets(self) -> torch.Tensor:
+        """Q (rows x V, built by comparison): the one-hot target, or fairseq's smoothed one."""
+        if self.smoothing is None:
+            return self.is_target.to(self.z.dtype)
+        return torch.where(self.is_target, self.smoothing[0] + self.smoothing[1], self.smoothing[1])
+
+    def ce_grad(self) -> torch.Tensor:
+        """d ce / dz = softmax(z) - Q (:func:`cross_entropy_grad`)."""
+        return cross_entropy_grad(self)
+
+
+# cross-entropy, the body's core: fairseq's label_smoothed_nll_loss on a tile, and its gradient
+
+
 def smoothing_weights(epsilon: float, vocab: int, acc: torch.dtype, device) -> torch.Tensor:
     """(1 - eps - eps_i, eps_i), eps_i = eps / (V - 1): fairseq's label smoothing gives the target
     1 - eps and every other class eps_i (``label_smoothed_nll_loss``)."""
@@ -192,57 +266,41 @@ def smoothing_weights(epsilon: float, vocab: int, acc: torch.dtype, device) -> t
     return torch.tensor([1.0 - epsilon - smooth, smooth], dtype=acc, device=device)
 
 
-def cross_entropy_tile(tile: Tile, smoothing: Optional[torch.Tensor]):
-    """Per-row (label-smoothed) cross-entropy and NLL of a tile:
-    loss = (1 - eps - eps_i) nll + eps_i sum_k -log p_k, with ``smoothing`` = (1 - eps - eps_i, eps_i)."""
+def cross_entropy(tile: Tile):
+    """Per-row (label-smoothed) cross-entropy and NLL of a tile: nll = lse - z_t and
+    ce = (1 - eps - eps_i) nll + eps_i sum_k -log p_k, with ``tile.smoothing`` = (1 - eps - eps_i, eps_i)."""
     nll = tile.lse.squeeze(1) - tile.target_logit()
-    if smoothing is None:
+    if tile.smoothing is None:
         return nll, nll
     smooth = tile.vocab * tile.lse.squeeze(1) - tile.z.sum(dim=1)
-    return smoothing[0] * nll + smoothing[1] * smooth, nll
+    return tile.smoothing[0] * nll + tile.smoothing[1] * smooth, nll
 
 
-def cross_entropy_grad(tile: Tile, smoothing: Optional[torch.Tensor]) -> torch.Tensor:
-    """d(loss)/dz of :func:`cross_entropy_tile`: softmax(z) - Q, Q built by comparison."""
-    if smoothing is None:
-        return tile.probs() - tile.is_target.to(tile.z.dtype)
-    return tile.probs() - torch.where(tile.is_target, smoothing[0] + smoothing[1], smoothing[1])
+def cross_entropy_grad(tile: Tile) -> torch.Tensor:
+    """d ce / dz of :func:`cross_entropy`: softmax(z) - Q."""
+    return tile.probs() - tile.smoothed_targets()
 
 
-def chunk_body(plan: BodyPlan, z, target, smoothing, row_scale, grad_out, grad_weight_out, inputs) -> RowValues:
-    """One chunk: the per-row values, and with ``plan.needs_grad`` the logit gradient written into
-    ``grad_out`` (for dH; it may be ``z`` itself) and the gated one into ``grad_weight_out`` (for dW,
-    only with a gate in the plan). ``inputs`` holds each term's tile inputs, in the plan's order.
-    Reads all of ``z`` before writing."""
-    tile = Tile(z, target, plan.acc, plan.argmax)
-    smoothing = smoothing if plan.smoothing else None
-    ce, nll = cross_entropy_tile(tile, smoothing)
-    outs = [None] * len(plan.terms)
-    row_weight = None
-    for i, term in enumerate(plan.terms):
-        if term.role == WEIGHTS_ROWS:
-            outs[i] = term.tile(tile, inputs[i])
-            row_weight = outs[i].factor if row_weight is None else row_weight * outs[i].factor
-    loss = ce if row_weight is None else row_weight * ce
-    for i, term in enumerate(plan.terms):
-        if term.role == ADDS_LOSS:
-            outs[i] = term.tile(tile, inputs[i])
-            loss = loss + outs[i].loss
-    values = RowValues(loss=loss, nll=nll, argmax=tile.argmax,
-                       terms=tuple(() if out is None else out.values for out in outs))
-    if not plan.needs_grad:
-        return values
-    columns = _write_gradients(plan, tile, smoothing, row_weight, outs, inputs, row_scale, grad_out, grad_weight_out)
-    return values._replace(columns=columns)
+def _times(weight, slope, out: TermOut):
+    """The product of the row weights so far (``weight``, d weight / d log p_t ``slope``) and one
+    more (``out.factor``, ``out.slope``), by the product rule; None for what is absent."""
+    if weight is None:
+        return out.factor, out.slope
+    new_slope = None if slope is None else slope * out.factor
+    if out.slope is not None:
+        new_slope = weight * out.slope if new_slope is None else new_slope + weight * out.slope
+    return weight * out.factor, new_slope
 
 
-def _write_gradients(plan, tile, smoothing, row_weight, outs, inputs, row_scale, grad_out, grad_weight_out):
+def _write_gradients(plan, tile, row_weight, row_slope, outs, inputs, row_scale, grad_out, grad_weight_out):
     """The logit gradient G into ``grad_out`` and, with gates, G_w into ``grad_weight_out``; returns
     the sparse columns' (ids, G part, G_w part or None) for the caller to add."""
     scale = None if row_scale is None else row_scale.to(tile.z.dtype).unsqueeze(1)
-    grad = cross_entropy_grad(tile, smoothing)
+    grad = tile.ce_grad()
     if row_weight is not None:
         grad = grad * row_weight.unsqueeze(1)
+    if row_slope is not None:  # d(w ce)/dz = w (P - Q) + ce (dw / d log p_t) (e_t - P)
+        grad = grad - (tile.ce * row_slope).unsqueeze(1) * (tile.probs() - tile.is_target.to(tile.z.dtype))
     # the parts of G that the gates act on, and the rest (loss terms kept apart from them); the
     # loss terms' gradients are added in the reverse order of their losses
     gated, apart, columns = grad, None, []

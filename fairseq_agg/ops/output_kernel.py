@@ -34,10 +34,6 @@ BODIES = ("auto", "eager", "compiled")
 FOREIGN_KERNELS = ("torch", "liger", "cce")
 IMPLEMENTATIONS = (PACKAGE,) + FOREIGN_KERNELS
 FLAG_CHOICES = BODIES + FOREIGN_KERNELS  # the values of --output-kernel
-# the plugin's criteria that take --output-kernel (its output-layer criteria; tests/test_flags_reference.py
-# checks this against fairseq's registry), for commands that add the flag only where it applies
-OUTPUT_LAYER_CRITERIA = ("cross_entropy_agg", "augmented_loss", "cross_entropy_cosreg", "cross_entropy_face",
-                         "cross_entropy_unlikelihood")
 
 DESCRIPTIONS = {
     "torch": "PyTorch's F.linear_cross_entropy",

@@ -68,7 +68,7 @@ class UnlikelihoodCandidates(Term):
     value_names = ("penalty", "candidates")
     foreign_refusal = "the unlikelihood penalty"
 
-    def check_inputs(self, target: torch.Tensor, vocab: int) -> None:
+    def check_inputs(self, target: torch.Tensor, vocab: int, request=None) -> None:
         if self.position.shape != target.shape:
             raise ValueError("the unlikelihood candidates must have one position per target")
 
