@@ -7,7 +7,7 @@ import pickle
 from typing import Optional
 
 from fairseq_agg.fairseq_facts.checkpoint_files import saved_updates
-from fairseq_agg.fairseq_facts.checkpoint_state import allow_namespace_in_checkpoints
+from fairseq_agg.fairseq_facts.checkpoint_state import UnsafeCheckpoint, allow_namespace_in_checkpoints
 from fairseq_agg.fairseq_facts.dictionary import madeupword_ids, nspecial
 from fairseq_agg.registration import register_with_fairseq
 from fairseq_agg.stats.matrices import task_dictionaries
@@ -46,7 +46,10 @@ def load_checkpoint(path: str) -> dict:
 
     allow_namespace_in_checkpoints()
     try:
+        # fairseq's loader as the plugin wraps it: torch's safe loader, pinned; a refusal in one line
         state = checkpoint_utils.load_checkpoint_to_cpu(path)
+    except UnsafeCheckpoint as e:  # holding objects a safe load does not run: said already
+        raise AnalyzeError(str(e)) from None
     except Exception as e:  # torch.load / unpickling errors have unhelpful types and long texts
         raise AnalyzeError(f"{path} is not a readable fairseq checkpoint ({_unreadable_reason(e)})")
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):

@@ -1,7 +1,8 @@
 """The one base class of the plugin's output-layer criteria: the fairseq side of the fused layer.
 
-A criterion runs the model with ``features_only=True`` and applies the decoder's output projection
-itself through :func:`fairseq_agg.ops.fused_linear_loss`, so the logits are computed once, in
+A criterion runs the model for its decoder's features (``features_only=True``, or the output
+projection's input: :mod:`fairseq_agg.fairseq_facts.output_layer`) and applies the decoder's output
+projection itself through :func:`fairseq_agg.ops.fused_linear_loss`, so the logits are computed once, in
 chunks of ``--output-chunk-tokens`` target tokens, and never kept as a tokens x V tensor. LM and MT
 go through the same code; label smoothing is a parameter (fairseq's convention). Each criterion
 holds the method objects of :mod:`fairseq_agg.ops` it uses and calls them in its own ``forward``,
@@ -16,6 +17,10 @@ Logged like fairseq's stock criteria: ``loss`` (the optimised loss, base 2, per 
 ``nll_loss`` (plain cross-entropy, base 2, per target token) and ``ppl`` derived from ``nll_loss``.
 With ``reduce=False`` the loss is per target position, as fairseq's ``cross_entropy`` returns it:
 a (B x T,) tensor in the order of ``sample["target"].view(-1)``, 0 at padding.
+
+fairseq's criterion API in full: ``build_criterion`` also takes a partial Namespace (the missing
+fields take their defaults), and ``compute_loss`` serves a task that runs the decoder itself
+(``translation_moe``).
 """
 import dataclasses
 import logging
@@ -30,6 +35,7 @@ from omegaconf import II
 from fairseq_agg.errors import UsageError, flag_name, plain_value
 from fairseq_agg.fairseq_facts.checkpoint_files import criterion_state_saved_after, last_loaded_checkpoint
 from fairseq_agg.fairseq_facts.checkpoint_state import anchor_criterion_state, holds_criterion_state
+from fairseq_agg.fairseq_facts.criterion_config import complete_config
 from fairseq_agg.fairseq_facts.output_layer import OutputLayerIO, output_projection_weight, training_device
 from fairseq_agg.fairseq_facts.training_loop import TrainingLoop, updates_per_epoch
 from fairseq_agg.ops import LossRequest
@@ -130,6 +136,12 @@ class OutputLossCriterion(FairseqCriterion):
         self.io = OutputLayerIO(self.padding_idx, cfg.sentence_avg, on_first_batch=self.first_batch,
                                 log_stats=self.embedding_stats.log)
 
+    @classmethod
+    def build_criterion(cls, cfg, task):
+        """fairseq's builder: ``cfg`` may also be a partial Namespace (as fairseq's tests build
+        criteria), whose missing fields take their defaults (:func:`complete_config`)."""
+        return cls(task, complete_config(cfg, getattr(cls, "__dataclass")))
+
     def refuse_output_kernel(self, *term_types):
         """A foreign ``--output-kernel`` that cannot compute the terms this criterion will add (their
         classes, :class:`fairseq_agg.ops.output_chunk.Term`): a UsageError at start-up."""
@@ -154,6 +166,7 @@ class OutputLossCriterion(FairseqCriterion):
             raise UsageError(
                 f"the output projection has {weight.size(0)} rows but the target dictionary has {len(self.dictionary)}"
             )
+        self.io.watch(model)  # for compute_loss on a decoder output the task computed
         self._model_checked = True
         return weight
 
@@ -226,6 +239,15 @@ class OutputLossCriterion(FairseqCriterion):
             self.check_model(model)
         weight = output_projection_weight(model)
         logger.info(f"{self.name}: output layer: {describe(self.request.output_kernel, weight.device)}")
+
+    def compute_loss(self, model, net_output, sample, reduce=True):
+        """fairseq's ``compute_loss`` (``translation_moe`` asks for it): this criterion's step on a
+        decoder output the task computed, from the features its output projection received; returns
+        (loss, nll), per target position with ``reduce=False``. Training counts its targets like a
+        forward does (a task that calls it k times per batch counts them k times)."""
+        with self.io.decoder_output(net_output):
+            loss, _, logging_output = self.forward(model, sample, reduce=reduce)
+        return loss, logging_output["nll_loss"]
 
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:

@@ -14,6 +14,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterionConfig,
 )
 
+from fairseq_agg.fairseq_facts.criterion_config import complete_config
 from fairseq_agg.stats.config import EmbeddingStatsConfig
 from fairseq_agg.stats.live import EmbeddingStats, reduce_embedding_stats
 
@@ -30,6 +31,7 @@ def with_embedding_stats(stock_criterion, config_class, name):
 
         @classmethod
         def build_criterion(cls, cfg, task):
+            cfg = complete_config(cfg, Config)  # a partial Namespace takes the defaults
             criterion = super().build_criterion(cfg, task)
             criterion.embedding_stats = EmbeddingStats(cfg, task)
             return criterion

@@ -11,6 +11,8 @@ methods need a little more. Each module here reads one kind of fact and says how
   checkpoints;
 * :mod:`.checkpoint_files`: fairseq's checkpoint files (atomic copies and saves, a damaged file in
   one line, the checkpoint loaded last);
+* :mod:`.criterion_config`: a criterion's config as ``build_criterion`` may receive it (a partial
+  Namespace completed with the defaults);
 * :mod:`.dictionary`: the special symbols and the ``madeupword`` fillers of a dictionary;
 * :mod:`.flag_choices`: the plugin's flags among fairseq's options, and an invalid choice of one
   in one line;

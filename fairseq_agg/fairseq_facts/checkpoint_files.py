@@ -14,16 +14,18 @@ fairseq's files:
 * :func:`make_checkpoint_saves_one_line`: fairseq's first write of a checkpoint
   (``torch_persistent_save``, to ``NAME.tmp`` then renamed) goes through the same atomic writer,
   so a full disk there is one line too, and no ``NAME.tmp`` is left filling the disk.
-* :func:`check_checkpoints_on_load`: a checkpoint that torch cannot read (truncated by an older
-  run, or damaged) is refused in one line naming it and the newest intact checkpoint beside it
-  to pass to ``--restore-file``; the path and the criterion of the checkpoint loaded last are
-  kept for the plugin's criteria (:func:`last_loaded_checkpoint`), whose counts name the file
-  when they refuse it, and its criterion state carries the updates it was saved after
-  (:func:`criterion_state_saved_after`), which a counting window's update number must match.
+* :func:`check_checkpoints_on_load`: every checkpoint fairseq loads goes through torch's safe
+  loader (``weights_only=True``, which ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` cannot turn off), and
+  one holding objects it refuses is one line naming it; a checkpoint that torch cannot read
+  (truncated by an older run, or damaged) is refused in one line naming it and the newest intact
+  checkpoint beside it that loads safely, to pass to ``--restore-file``; the path and the
+  criterion of the checkpoint loaded last are kept for the plugin's criteria
+  (:func:`last_loaded_checkpoint`), whose counts name the file when they refuse it, and its
+  criterion state carries the updates it was saved after (:func:`criterion_state_saved_after`),
+  which a counting window's update number must match.
 """
 import glob
 import os
-import pickle
 import shutil
 import zipfile
 from typing import NamedTuple, Optional
@@ -31,7 +33,9 @@ from typing import NamedTuple, Optional
 import torch
 
 from fairseq_agg.errors import UsageError
-from fairseq_agg.fairseq_facts.checkpoint_state import allow_namespace_in_checkpoints
+from fairseq_agg.fairseq_facts.checkpoint_state import (
+    allow_namespace_in_checkpoints, refused_as_unsafe, safe_loads, unsafe_checkpoint,
+)
 from fairseq_agg.files import atomic_path, remove_dead_temporaries, temporary_file_pattern
 
 
@@ -146,26 +150,39 @@ def make_checkpoint_saves_one_line():
 
 
 def newest_intact_checkpoint(directory: str, exclude: str) -> Optional[str]:
-    """The intact ``checkpoint*.pt`` in ``directory`` (other than ``exclude``) that holds the most
-    updates; among equals a numbered one (``checkpoint_best.pt`` is a copy, which may be older
-    than its mtime says), then the newest."""
+    """The intact ``checkpoint*.pt`` in ``directory`` (other than ``exclude``) that loads safely
+    and holds the most updates; among equals a numbered one (``checkpoint_best.pt`` is a copy,
+    which may be older than its mtime says), then the newest. None when no file qualifies."""
     ranked = []
     for path in glob.glob(os.path.join(glob.escape(directory), "checkpoint*.pt")):
         if os.path.abspath(path) == os.path.abspath(exclude) or not readable_checkpoint(path):
             continue
+        state = safely_loaded(path)
+        if state is None:  # not a checkpoint torch's safe loader reads: never proposed
+            continue
+        updates = saved_updates(state)
         is_copy = os.path.basename(path) in ("checkpoint_best.pt", "checkpoint_last.pt")
-        ranked.append((checkpoint_updates(path), not is_copy, os.path.getmtime(path), path))
+        ranked.append((-1 if updates is None else updates, not is_copy, os.path.getmtime(path), path))
     return max(ranked)[-1] if ranked else None
 
 
-def checkpoint_updates(path: str) -> int:
-    """The number of updates a readable checkpoint was saved after (-1 if it does not say). Read
-    with torch's safe loader, as fairseq loads checkpoints: the save directory may hold any file
-    named checkpoint*.pt, and unpickling one must not run its code."""
+def safely_loaded(path: str) -> Optional[dict]:
+    """The checkpoint as torch's safe loader reads it (memory-mapped), or None if it reads no dict:
+    the save directory may hold any file named checkpoint*.pt, and unpickling one must not run its
+    code."""
     allow_namespace_in_checkpoints()
     try:
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception:  # an archive that is complete but is no (safely loadable) checkpoint ranks last
+    except Exception:
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def checkpoint_updates(path: str) -> int:
+    """The number of updates a checkpoint was saved after; -1 if it does not say, or if torch's
+    safe loader does not read it (:func:`safely_loaded`)."""
+    state = safely_loaded(path)
+    if state is None:
         return -1
     updates = saved_updates(state)
     return -1 if updates is None else updates
@@ -195,10 +212,13 @@ def check_checkpoints_on_load():
         global _last_loaded
         remove_stale_copies(os.path.dirname(os.path.abspath(path)))
         try:
-            state = fairseq_load(path, *args, **kwargs)
-        except (EOFError, RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile) as error:
+            with safe_loads():
+                state = fairseq_load(path, *args, **kwargs)
+        except Exception as error:  # a damaged file fails in many ways (EOFError, IndexError, ...)
             if os.path.isfile(path) and not readable_checkpoint(path):
                 raise UsageError(damaged_checkpoint_message(path)) from error
+            if refused_as_unsafe(error):
+                raise unsafe_checkpoint(path) from None
             raise
         _last_loaded = LoadedCheckpoint(os.path.abspath(path), writing_criterion(state))
         mark_criterion_state(state)
@@ -212,5 +232,5 @@ def damaged_checkpoint_message(path: str) -> str:
     size = os.path.getsize(path)
     intact = newest_intact_checkpoint(os.path.dirname(os.path.abspath(path)), exclude=path)
     advice = (f"resume from the newest intact one with --restore-file {intact}" if intact
-              else "no intact checkpoint is beside it; remove it to start afresh")
+              else "no intact checkpoint that loads safely is beside it; remove it to start afresh")
     return f"checkpoint {path} is truncated or damaged ({size} bytes, not a complete torch archive): {advice}"

@@ -9,7 +9,18 @@ builds fairseq's ``(loss, sample_size, logging_output)``: ``sample_size`` is sen
 ``--sentence-avg``, else target tokens; with ``reduce=False`` the loss goes back per target
 position, as fairseq's ``cross_entropy`` returns it (a (B x T,) tensor in the order of
 ``sample["target"].view(-1)``, 0 at padding).
+
+The features come from the model run with ``features_only=True`` where its decoder's ``forward``
+takes that argument (fairseq's Transformer). A decoder without it that applies a linear
+``output_projection`` last (lightconv, dynamicconv, ``lightconv_lm``) is run whole, with the
+projection's input captured and its matmul skipped (:class:`ProjectionInput`); the decoder must
+return the projection's output unchanged, else the batch is refused. A decoder output computed
+elsewhere (a task that calls the criterion's ``compute_loss``, as ``translation_moe`` does) is
+matched to the features of the projection call that produced it (:meth:`ProjectionInput.watch`).
 """
+import contextlib
+import inspect
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -41,12 +52,73 @@ def output_projection_weight(model):
     projection = getattr(decoder, "output_projection", None)
     if not isinstance(projection, torch.nn.Linear):
         raise UsageError(
-            "the model has no linear output projection (decoder.output_projection); this criterion "
-            "needs one (tied via --share-decoder-input-output-embed / --share-all-embeddings, or untied)"
+            f"the model {type(model).__name__} has no linear output projection (decoder.output_projection); this "
+            "criterion needs one (tied via --share-decoder-input-output-embed / --share-all-embeddings, or untied)"
         )
     if projection.bias is not None:
         raise UsageError("output projections with a bias are not supported by this criterion")
     return projection.weight
+
+
+def takes_features_only(model) -> bool:
+    """Whether the model's decoder returns its features when run with ``features_only=True``."""
+    return "features_only" in inspect.signature(model.decoder.forward).parameters
+
+
+class ProjectionInput:
+    """The input of a decoder's linear output projection: the decoder's features.
+
+    :meth:`skipping` runs a decoder with the projection's matmul replaced by a placeholder of the
+    logits' shape (a stride-0 view, no memory) and gives back what went in; :meth:`watch` keeps a
+    forward hook on the projection that remembers, for the latest call, its output and input, so
+    that :meth:`features_of` finds the features behind a decoder output computed elsewhere.
+    """
+
+    def __init__(self):
+        self._watched = None  # the projection the hook is on
+        self._latest = None  # (weak reference to the latest output, its input)
+
+    def watch(self, projection: torch.nn.Module):
+        if self._watched is not projection:
+            projection.register_forward_hook(self._remember)
+            self._watched = projection
+
+    def _remember(self, module, inputs, output):
+        self._latest = (weakref.ref(output), inputs[0])
+
+    def features_of(self, model, logits: torch.Tensor) -> torch.Tensor:
+        """The features the output projection turned into ``logits``."""
+        latest, self._latest = self._latest, None
+        if latest is None or latest[0]() is not logits:
+            raise UsageError(f"compute_loss: the decoder output of {type(model).__name__} handed to this criterion is "
+                             "not the output of its output projection (decoder.output_projection) as last run")
+        return latest[1]
+
+    @contextlib.contextmanager
+    def skipping(self, model, projection: torch.nn.Linear):
+        """Within: a call of ``projection`` keeps its input and returns a placeholder of the logits'
+        shape; ``check(net_output)`` gives that input, refusing a decoder that did not call the
+        projection once and return its placeholder unchanged."""
+        captured = []  # (features, the placeholder returned for them)
+
+        def placeholder(features):
+            logits = features.new_zeros(()).expand(*features.shape[:-1], projection.out_features)
+            captured.append((features, logits))
+            return logits
+
+        def check(net_output):
+            returned = net_output[0] if isinstance(net_output, (tuple, list)) else net_output
+            if len(captured) != 1 or returned is not captured[0][1]:
+                raise UsageError(f"the model {type(model).__name__} neither takes features_only=True nor returns its "
+                                 "linear output projection's output unchanged: this criterion cannot find its features")
+            return captured[0][0]
+
+        projection.forward = placeholder  # an instance attribute: nn.Module.__call__ reads self.forward
+        try:
+            yield check
+        finally:
+            del projection.forward
+            self._latest = None  # what the watch remembered of this call is no decoder output to match
 
 
 @dataclass
@@ -79,16 +151,43 @@ class OutputLayerIO:
         self.padding_idx, self.sentence_avg = padding_idx, sentence_avg
         self.on_first_batch, self.log_stats = on_first_batch, log_stats
         self.anchor = None
+        self.projection_input = ProjectionInput()
+        self._given_output = None  # a decoder output computed by the task (compute_loss)
+
+    def watch(self, model):
+        """From the model's check at start-up on: decoder outputs computed elsewhere can be read
+        (:meth:`decoder_output`)."""
+        self.projection_input.watch(model.decoder.output_projection)
+
+    @contextlib.contextmanager
+    def decoder_output(self, net_output):
+        """Within: :meth:`batch` reads the features behind ``net_output`` instead of running the model."""
+        self._given_output = net_output
+        try:
+            yield
+        finally:
+            self._given_output = None
+
+    def features(self, model, sample):
+        """(features B x T x d, the decoder's output) of ``sample``; see the module docstring."""
+        if self._given_output is not None:
+            net_output = self._given_output
+            return self.projection_input.features_of(model, net_output[0]), net_output
+        if takes_features_only(model):
+            net_output = model(**sample["net_input"], features_only=True)
+            return net_output[0], net_output
+        with self.projection_input.skipping(model, model.decoder.output_projection) as check:
+            net_output = model(**sample["net_input"])
+        return check(net_output), net_output
 
     def batch(self, model, sample) -> OutputBatch:
-        """The model's features (``features_only=True``) at the non-padding targets: padding is
-        masked everywhere, before the output layer."""
+        """The model's features at the non-padding targets: padding is masked everywhere, before
+        the output layer."""
         if self.on_first_batch is not None:
             self.on_first_batch(model)
             self.on_first_batch = None  # once it has passed: a refusal refuses again
         weight = output_projection_weight(model)
-        net_output = model(**sample["net_input"], features_only=True)
-        features = net_output[0]
+        features, net_output = self.features(model, sample)
         padded_target = model.get_targets(sample, net_output)
         target = padded_target.reshape(-1)
         keep = target.ne(self.padding_idx).nonzero().squeeze(1)
