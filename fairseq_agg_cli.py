@@ -96,7 +96,8 @@ def analyze_parser():
                    help="points per group in projection.png (default: 3000)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even when a GPU is available")
     p.add_argument("--word-sim", nargs="+", metavar="FILE",
-                   help="word-similarity files ('word1<TAB>word2<TAB>score' lines, e.g. WordSim-353, SimLex-999, "
+                   help="word-similarity files ('word1 word2 score' lines, separated by tabs (a word may then hold "
+                        "spaces) or by spaces; e.g. WordSim-353, SimLex-999, "
                         "or a list of your own): Spearman's rho of embedding cosines vs the scores, per matrix "
                         "(docs/stats.md)")
     p.add_argument("--word-sim-spm", metavar="MODEL",
@@ -164,6 +165,8 @@ def run_command(name, argv=None):
     parser = COMMANDS[name].parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     module_name, func_name = COMMANDS[name].run.split(":")
+    if module_name.startswith("fairseq_agg."):  # its work imports fairseq, whose import configures logging
+        importlib.import_module("fairseq_agg.fairseq_facts.import_logging").import_fairseq()
     result = getattr(importlib.import_module(module_name), func_name)(args, parser)
     return result if isinstance(result, int) else 0
 

@@ -35,6 +35,9 @@ def profiler_peak(step, before):
 
     before()
     gc.collect()
+    # kineto prints "USDT: ... profiler_start/stop" for every profile at USDT, the highest of its
+    # levels (0-5): only 6 keeps those lines out. A KINETO_LOG_LEVEL the user set is kept.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]

@@ -83,7 +83,7 @@ find_file() {
 
 # ---------------------------------------------------------------- the train.sh recipes
 
-train_methods="baseline agg aug agg+aug mlra agg+mlra"
+train_methods="baseline agg aug agg+aug mlra agg+mlra coupled-adam agg+coupled-adam"
 
 # read_method: sets method from ${positional[0]}, one of $train_methods.
 read_method() {
@@ -240,21 +240,54 @@ train_settings() {
 }
 
 # method_criterion STOCK ALPHA [FLAGS...]: sets the array crit to the criterion flags of $method.
-# baseline and mlra train with fairseq's STOCK criterion (its _with_stats twin when stats are
-# logged), the AGG methods with cross_entropy_agg --agg-alpha ALPHA, aug with augmented_loss,
-# agg+aug with both in one criterion. FLAGS (e.g. --label-smoothing 0.1) go to each of them.
+# baseline, mlra and coupled-adam train with fairseq's STOCK criterion (its _with_stats twin when
+# stats are logged), the AGG methods with cross_entropy_agg --agg-alpha ALPHA, aug with
+# augmented_loss, agg+aug with both in one criterion. FLAGS (e.g. --label-smoothing 0.1) go to each
+# of them. Where a method's logged `loss` is not the NLL (the augmented loss adds its KL; label
+# smoothing in FLAGS smooths every method's), fairseq would rank checkpoint_best.pt on that
+# `loss`: crit then adds --best-checkpoint-metric nll_loss, the cross-entropy evaluate.sh scores.
 method_criterion() {
   local stock="$1" alpha="$2"
   shift 2
   case "$method" in
-    baseline|mlra)
+    baseline|mlra|coupled-adam)
       if (( stats > 0 )); then crit=(--criterion "${stock}_with_stats" "$@"); else crit=(--criterion "$stock" "$@"); fi ;;
-    agg|agg+mlra) crit=(--criterion cross_entropy_agg "$@" --agg-alpha "$alpha") ;;
+    agg|agg+mlra|agg+coupled-adam) crit=(--criterion cross_entropy_agg "$@" --agg-alpha "$alpha") ;;
     aug) crit=(--criterion augmented_loss "$@") ;;
     agg+aug) crit=(--criterion cross_entropy_agg "$@" --agg-alpha "$alpha" --aug-alpha 0.5) ;;
   esac
   if (( stats > 0 )); then crit+=(--embed-stats-interval "$stats"); fi
+  if [[ "$method" == *aug* || " $* " == *" --label-smoothing "* ]]; then crit+=(--best-checkpoint-metric nll_loss); fi
 }
+
+# method_optimizer: sets the array optim to the optimizer flags of $method: fairseq's adam, or for
+# the Coupled Adam methods coupled_adam (the same update and flags, one second moment shared by the
+# embedding rows) with weight decay where its authors apply it: not on the coupled embedding nor
+# on the 1-D parameters (--coupled-adam-decay non-embedding-matrices, docs/coupled_adam.md).
+method_optimizer() {
+  case "$method" in
+    *coupled-adam) optim=(--optimizer coupled_adam --coupled-adam-decay non-embedding-matrices) ;;
+    *) optim=(--optimizer adam) ;;
+  esac
+}
+
+# check_free_disk NEED_GB README (before anything prints): unless is_dry_run (the command may be
+# for another machine), refuses in one line when the disk of $save_dir (its nearest existing
+# directory) has less free space than min_free_gb (--min-free-gb; empty = NEED_GB, README's "What a
+# run costs"; 0 = no check).
+check_free_disk() {
+  local min="${min_free_gb:-$1}" readme="$2" dir="$save_dir" free_kb
+  [[ "$min" =~ ^[0-9]{1,9}$ ]] || die "--min-free-gb must be an integer >= 0, got '$min'"
+  if is_dry_run || (( 10#$min == 0 )); then return 0; fi
+  while [[ ! -d "$dir" ]]; do dir="$(dirname "$dir")"; done
+  free_kb="$(df -Pk "$dir" | awk 'NR == 2 { print $4 }')"
+  (( free_kb >= 10#$min * 1024 * 1024 )) || die "the disk of SAVE_DIR $save_dir has $(( free_kb / 1024 / 1024 )) GB \
+free, less than the $(( 10#$min )) GB this run needs ($readme, \"What a run costs\"): free some, or pass \
+--min-free-gb N (0: no check)"
+}
+
+# say_cost TEXT README (after every check): what the run costs, from README's "What a run costs", on stderr.
+say_cost() { echo "[train] cost: $1 ($2, \"What a run costs\")" >&2; }
 
 # launch_command LAUNCHER: sets launch_cmd to the fairseq-train command cmd started by LAUNCHER:
 # as it is (fairseq spawns one process per GPU of this node), under torchrun (the same command on

@@ -18,13 +18,51 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional
 
+from fairseq_agg.files import atomic_output
+
 from study.harness.cli import VOCAB
 from study.harness.corpus_cache import DataUnavailable, reuse_prepared
 from study.harness.fairseq_logs import done_seconds, last_train_stats
 from study.harness.fairseq_commands import (PROGRESS_LINES, Console, child_env, registered_methods, run_logged,
                                            train_command)
 from study.harness.progress import Progress, minutes, say, time_left
-from study.harness.tables import markdown_table, print_table, result_rows, write_json
+from study.harness.tables import markdown_table, mean_spread, print_table, result_rows, write_json
+
+
+BASELINE = "baseline"
+ARROWS = {"down": " ↓", "up": " ↑"}
+DELTA_LEGEND = ("Δ % = (method − baseline) / baseline × 100, of the means over seeds; a change no larger than "
+                "the two half-ranges together is \"within the seed spread\"")
+
+
+def comparison_text(methods, results, columns, better, names):
+    """Each method's change against the baseline, in % of the baseline's mean, on the columns
+    ``better`` gives a direction ("up" or "down"), and a verdict line per method from those changes."""
+    keys = [(k, h) for k, h, _ in columns if k in better]
+    base = {k: mean_spread([r.get(k) for r in results[BASELINE]]) for k, _ in keys}
+    others = [m for m in methods if m != BASELINE]
+    headers = ["Δ % vs baseline"] + [h + ARROWS[better[k]] for k, h in keys]
+    rows, verdicts = [], []
+    for m in others:
+        row, words = [names[m]], {"better": [], "worse": [], "within the seed spread": []}
+        for k, h in keys:
+            mean, spread = mean_spread([r.get(k) for r in results[m]])
+            b_mean, b_spread = base[k]
+            if mean is None or not b_mean:
+                row.append("-")
+                continue
+            delta = (mean - b_mean) / abs(b_mean) * 100.0
+            row.append(f"{delta:+.1f}")
+            if abs(mean - b_mean) <= (spread or 0.0) + (b_spread or 0.0):
+                words["within the seed spread"].append(f"{h} {delta:+.1f} %")
+            else:
+                good = (delta > 0) == (better[k] == "up")
+                words["better" if good else "worse"].append(f"{h} {delta:+.1f} %")
+        rows.append(row)
+        said = "; ".join(f"{w}: {', '.join(items)}" for w, items in words.items() if items)
+        verdicts.append(f"{names[m]}: {said or 'no number to compare'}")
+    return "\n".join([print_table(headers, rows, show=False), "", "Against the baseline:"] +
+                     [f"  {v}" for v in verdicts])
 
 
 def build_parser(prog, doc, methods, default_methods, work_dir, cache_dir, quick_help):
@@ -191,12 +229,25 @@ class Demo:
         say(f"[{self.tag}] {run_k} finished: {label} in {seconds:.0f} s{summary}; "
             f"{time_left(plan.progress.seconds_left())}")
 
-    def write_results(self, a, plan, info, results, columns, **extra):
-        """Prints the table of ``results`` ({method: [numbers of one seed]}) with ``columns``,
-        writes it to OUT_DIR/table.txt, and every number, the plan and ``extra`` to
-        OUT_DIR/results.json."""
+    def write_results(self, a, plan, info, results, columns, better=None, legend=(), **extra):
+        """Prints the table of ``results`` ({method: [numbers of one seed]}) with ``columns``, each
+        method by its full name; with ``better`` ({key: "up" or "down"}) an arrow on those
+        columns, their change against the baseline and a verdict per method
+        (:func:`comparison_text`); then ``legend``. Writes all of it to OUT_DIR/table.txt, and
+        every number, the plan and ``extra`` to OUT_DIR/results.json."""
+        names = {m: self.methods[m].get("name", m) for m in plan.methods}
         headers, rows = result_rows(plan.methods, results, columns)
-        print_table(headers, rows, out=os.path.join(plan.out_dir, "table.txt"))
+        headers = headers[:1] + [h + ARROWS.get((better or {}).get(k), "") for h, (k, _, _) in zip(headers[1:], columns)]
+        rows = [[names[r[0]]] + r[1:] for r in rows]
+        text = [print_table(headers, rows)]
+        if better and BASELINE in plan.methods:
+            text.append(comparison_text(plan.methods, results, columns, better, names))
+        legend = tuple(legend) + ((f"↓ / ↑: the better direction of a column; {DELTA_LEGEND}",) if better else ())
+        if legend:
+            text.append("\n".join(legend))
+            say("\n".join(text[1:]))
+        with atomic_output(os.path.join(plan.out_dir, "table.txt"), "w", flag="the demo's table") as f:
+            f.write("\n\n".join(text) + "\n")
         write_json(os.path.join(plan.out_dir, "results.json"), {
             "mode": plan.mode, "updates": plan.updates, "seeds": a.seeds, "methods": plan.methods,
             "skipped": plan.skipped, "data": info, "budget": plan.budget, "model": self.model[plan.mode],

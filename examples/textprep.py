@@ -216,12 +216,16 @@ def gpt2_encode(encoder_json, vocab_bpe, inputs, outputs, workers=1):
         pool = multiprocessing.Pool(workers, initializer=_start_gpt2_worker, initargs=(encoder_json, vocab_bpe))
     try:
         for src, dst in zip(inputs, outputs):
+            with open(src if src != "-" else os.devnull, "rb") as counted:  # a progress line per tenth (minutes each)
+                tenth = sum(1 for _ in counted) // 10 or float("inf")  # none for stdin or under 10 lines
             with _open(src) as fin, _open(dst, "w") as fout:
                 # imap keeps the input order; chunks amortise the inter-process traffic
                 lines = pool.imap(_gpt2_worker_encode, fin, chunksize=1000) if pool else \
                     (gpt2_encode_line(encoder, line) for line in fin)
-                for encoded in lines:
+                for n, encoded in enumerate(lines, 1):
                     fout.write(encoded + "\n")
+                    if n % tenth == 0 and n // tenth <= 10:
+                        print(f"gpt2-encode: {os.path.basename(src)} {10 * n // tenth} %", file=sys.stderr, flush=True)
     finally:
         if pool is not None:
             pool.close()

@@ -280,4 +280,18 @@ def test_the_operating_point_in_the_log_and_in_analyze_equals_the_hand_count(exa
     total = sum(len(words) + 1 for words in valid)
     assert agg["rare_target_share"] == pytest.approx(sum(w in rare_words for ws in valid for w in ws) / total)
     table = (out / "table.md").read_text()
-    assert "agg_rare_below_per_epoch" in table and "agg_target_share" in table
+    assert "| AGG rare below / epoch | AGG target share |" in table and "(`agg_target_share`)" in table
+
+
+def test_the_papers_operating_point_is_alpha_times_its_updates_per_epoch():
+    """The reference every run's operating-point line names (issue #57: the line said 110, docs/agg.md
+    108): alpha 0.03 in the paper's WikiText-103 run, about 3,600 updates of 32,768 tokens per epoch,
+    is rare below 0.03 x 3,600 = 108 counts per epoch, a target in 3 % of the updates, by either rule."""
+    from fairseq_agg.ops import AggLoss
+    from fairseq_agg.ops.agg_threshold import PAPER_OPERATING_POINT, operating_point
+
+    assert PAPER_OPERATING_POINT.count_per_epoch == pytest.approx(108.0)
+    assert PAPER_OPERATING_POINT.target_share == pytest.approx(0.03)
+    assert operating_point(0.03, "per-update", 32768, 3600 * 32768, 3600).count_per_epoch == pytest.approx(108.0)
+    line = AggLoss(10, alpha=0.03, window=5).describe_operating_point(1000.0, 10.0)
+    assert line.endswith("(the paper's WikiText-103 LM: below about 108 per epoch, 3 % of the updates)"), line

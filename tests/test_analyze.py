@@ -108,7 +108,9 @@ def test_cli_report_figures_and_ppl_against_eval_lm(lm_ckpts, lm_data_bin, tmp_p
     for row, ck in zip(report["table"]["rows"], report["checkpoints"]):  # the table's drift cells
         for key in table.DRIFT_COLUMNS:
             assert row[cols.index(key)] == ck["matrices"]["dec"]["drift"][key]
-    assert (out / "table.md").read_text().count("\n") == 4
+    table_md = (out / "table.md").read_text()
+    assert table_md.split("\n\n")[0].count("\n") == 3  # header, rule, two rows; then the legend
+    assert table_md.startswith("| checkpoint | matrix | µTEV | σTEV |") and "* I(W) (`isotropy`): isotropy" in table_md
 
     # perplexity: fairseq-eval-lm's total and its own per-token scores, grouped by the same ids
     ev = _eval_lm(lm_data_bin, ck_last, "--tokens-per-sample", "64", "--max-tokens", "512", "--output-word-probs")

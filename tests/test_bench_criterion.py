@@ -31,7 +31,7 @@ def smoke(tmp_path_factory):
     raw = tmp_path_factory.mktemp("bench_criterion") / "raw.json"
     proc = _bench([*TINY, "--json", str(raw)])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc.stdout, json.loads(raw.read_text())
+    return proc.stdout, json.loads(raw.read_text()), proc.stderr
 
 
 def _row(stdout, label):
@@ -42,7 +42,7 @@ def _row(stdout, label):
 
 
 def test_every_default_variant_is_measured_on_both_kernels(smoke):
-    _, raw = smoke
+    _, raw, _ = smoke
     expected = set(DEFAULT_KEYS) | {f"{k}:eager" for k in PACKAGE}
     assert set(raw["variants"]) == expected
     assert raw["kernels"] == ["auto", "eager"]
@@ -54,7 +54,7 @@ def test_every_default_variant_is_measured_on_both_kernels(smoke):
 
 
 def test_the_variants_compute_the_same_thing(smoke):
-    _, raw = smoke
+    _, raw, _ = smoke
     compared = {line.split(": loss")[0] for line in raw["checks"]}
     for pair in ("agg+ls vs agg_ref+ls", "al vs al_ref", "fused_ce vs stock", "fused_ce+ls vs torch_ref+ls",
                  "fused_ce vs torch_auto", "agg+ls:torch vs agg+ls", "ul:eager vs ul"):
@@ -65,7 +65,7 @@ def test_the_variants_compute_the_same_thing(smoke):
 
 
 def test_item_7_and_the_augmented_loss_floor_are_printed_from_the_measurements(smoke):
-    stdout, raw = smoke
+    stdout, raw, _ = smoke
     median = raw["median_s"]
     assert "-- issue #46, item 7: on the path auto picks here (compiled chunk body" in stdout \
         or "-- issue #46, item 7: on the path auto picks here (eager chunk body" in stdout
@@ -80,6 +80,14 @@ def test_item_7_and_the_augmented_loss_floor_are_printed_from_the_measurements(s
     assert ratio == pytest.approx(median["al"] / median["al_floor"], abs=1e-3)
     # the floor of the augmented loss holds the three matmuls and the teacher's: it costs more
     assert raw["peak_bytes"]["al_floor"] > raw["peak_bytes"]["floor"]
+
+
+def test_it_prints_no_debug_or_profiler_lines(smoke):
+    """fairseq's import sets the root logger to DEBUG (filelock's lines under torch.compile) and
+    kineto announces every profile ("USDT: ... profiler_start"): the command keeps both out (issue #57)."""
+    stdout, _, stderr = smoke
+    noise = [line for line in (stdout + stderr).splitlines() if line.startswith(("DEBUG:", "USDT:", "STAGE:"))]
+    assert not noise, noise[:5]
 
 
 def test_a_sweep_and_a_variant_list_of_keys(tmp_path):

@@ -141,11 +141,13 @@ def test_demo_end_to_end_on_fixture(sqlite_pair, tmp_path, run_demo):
         assert row["test_ppl_rare"] == pytest.approx(by_label[f"{m}-s1"]["ppl"]["groups"]["rare"]["ppl"])
         assert 0.0 < row["isotropy"] <= 1.0
         assert by_label[f"{m}-s1"]["num_updates"] == 12
-    # AGG's rare set comes from its own log line; the stock criterion has none
-    assert res["results"]["agg"][0]["rare_tokens"] > 0 and res["results"]["baseline"][0]["rare_tokens"] is None
+    # AGG's rare set at the last update comes from its final checkpoint's window; the stock criterion has none
+    assert res["results"]["agg"][0]["rare_tokens"] == by_label["agg-s1"]["agg"]["rare"] > 0
+    assert res["results"]["baseline"][0]["rare_tokens"] is None
     assert "agg_rare=" in open(work / "runs-quick" / "agg-s1" / "train.log").read()
     table = open(work / "results-quick" / "table.txt").read()
-    assert table.splitlines()[0].startswith("method") and "I(W)" in table and "agg" in table
+    assert table.splitlines()[0].startswith("method") and "I(W) ↑" in table and "AGG (adaptive gradient gating)" in table
+    assert "Against the baseline:" in table and "rare tok = the types AGG gated" in table  # the legend is in the file
     for png in ("comparison.png", "analysis-valid/spectrum.png", "analysis-valid/projection.png"):
         path = work / "results-quick" / png
         assert path.stat().st_size > 1000 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -274,15 +276,15 @@ def _row(iso, freq):
 
 def test_comparison_figure_has_seed_error_bars_bands_and_outside_legends(tmp_path):
     methods = ["baseline", "agg", "al"]
-    results = {"baseline": [_row(0.6, 50.0), _row(0.8, 70.0)], "agg": [_row(0.9, 60.0), _row(0.95, 60.0)],
-               "al": [_row(0.7, 55.0), _row(None, 65.0)]}
+    results = {"baseline": [_row(0.6, 50.0), _row(0.8, 70.0)], "agg": [_row(0.9, 60.0), _row(0.95, 66.0)],
+               "al": [_row(0.7, 55.0), _row(None, 56.0)]}
     curves = {"baseline": [[(10, 5.0), (20, 4.0)], [(10, 6.0), (20, 3.0), (30, 2.0)]],
               "agg": [[(10, 7.0), (20, 6.0)], [(10, 7.0), (20, 6.0)]], "al": [[], [(10, 1.0)]]}
     fig = demo_run.comparison_figure(results, curves, methods)
     ppl, iso, loss = fig.axes
     for ax in (ppl, iso, loss):
         assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title()
-    assert "bits/token" in loss.get_ylabel() and ppl.get_yscale() == "log"
+    assert "bits/token" in loss.get_ylabel() and ppl.get_yscale() == "linear"
     # (b): bars at the mean over seeds, error bars mean ± half the range; a missing value is left out
     from matplotlib.container import BarContainer
 
@@ -291,20 +293,23 @@ def test_comparison_figure_has_seed_error_bars_bands_and_outside_legends(tmp_pat
     (segments,) = [c for c in iso.collections if len(c.get_segments()) == 3]  # the error bars' vertical lines
     assert [tuple(s[:, 1]) for s in segments.get_segments()] == [
         pytest.approx((0.6, 0.8)), pytest.approx((0.9, 0.95)), pytest.approx((0.7, 0.7))]
-    # (a): three bars per method, one per frequency group, at the means
+    # (a): against the baseline (mean 60 per group x 1, 10, 100), in %, three bars per other method:
+    # agg (63 - 60) / 60 = +5 %, al (55.5 - 60) / 60 = -7.5 %, each group alike; linear, with a zero line
+    assert "vs the baseline" in ppl.get_title() and "%" in ppl.get_ylabel()
     assert [b.get_height() for c in ppl.containers if isinstance(c, BarContainer) for b in c] == \
-        pytest.approx([60.0, 60.0, 60.0, 600.0, 600.0, 600.0, 6000.0, 6000.0, 6000.0])
-    # (c): the mean curve at the updates every seed logged, a min-max band with several seeds
-    lines = {line.get_label(): line for line in loss.get_lines()}
-    assert list(lines["baseline"].get_xdata()) == [10, 20] and list(lines["baseline"].get_ydata()) == [5.5, 3.5]
-    assert list(lines["al"].get_ydata()) == [1.0]
-    assert len(loss.collections) == 2  # bands of baseline and agg; al has one curve
-    styles = {(line.get_color(), line.get_linestyle(), line.get_marker()) for line in lines.values()}
-    assert len(styles) == 3
+        pytest.approx([5.0, -7.5] * 3)
+    assert [t.get_text() for t in ppl.get_xticklabels()] == ["agg", "al"]
+    # (c): each other method's mean curve minus the baseline's mean, at the updates both logged
+    lines = {line.get_label(): line for line in loss.get_lines() if not line.get_label().startswith("_")}
+    assert set(lines) == {"agg", "al"} and "minus the baseline's" in loss.get_ylabel()
+    assert list(lines["agg"].get_xdata()) == [10, 20] and list(lines["agg"].get_ydata()) == [1.5, 2.5]
+    assert list(lines["al"].get_ydata()) == [-4.5]
+    assert len(loss.collections) == 1  # agg's band; al has one curve
     # the colour of a method's bar in (b) is the colour of its curve in (c)
     import matplotlib.colors
 
     assert matplotlib.colors.to_hex(bars[1].get_facecolor()) == matplotlib.colors.to_hex(lines["agg"].get_color())
+    assert lines["agg"].get_color() != lines["al"].get_color()
     fig.canvas.draw()
     for ax in (ppl, loss):
         box = ax.get_legend().get_window_extent()
@@ -312,6 +317,12 @@ def test_comparison_figure_has_seed_error_bars_bands_and_outside_legends(tmp_pat
     # one seed: no error bars, the value written on the bar
     one = demo_run.comparison_figure({m: r[:1] for m, r in results.items()}, curves, methods)
     assert not one.axes[1].collections and [t.get_text() for t in one.axes[1].texts] == ["0.600", "0.900", "0.700"]
+    # without a baseline: the perplexities themselves on a log axis, the curves themselves
+    alone = demo_run.comparison_figure({m: results[m] for m in ("agg", "al")}, curves, ["agg", "al"])
+    assert alone.axes[0].get_yscale() == "log"
+    assert [b.get_height() for c in alone.axes[0].containers if isinstance(c, BarContainer) for b in c] == \
+        pytest.approx([63.0, 55.5, 630.0, 555.0, 6300.0, 5550.0])
+    assert list(alone.axes[2].get_lines()[0].get_ydata()) == [7.0, 6.0]
     path = demo_run.figures(results, curves, str(tmp_path), methods)
     assert path == str(tmp_path / "comparison.png") and (tmp_path / "comparison.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -281,10 +281,13 @@ def test_gpt2_encode_matches_fairseqs_encoder_in_every_worker_count(raw_dir, gpt
     expected = [" ".join(map(str, encoder.encode(line.strip()))) for line in src.read_text().splitlines()]
     for workers in (1, 2):
         dst = tmp_path / f"valid.{workers}"
-        subprocess.run([sys.executable, textprep.__file__, "gpt2-encode", "--encoder-json",
-                        str(gpt2_bpe_dir / "encoder.json"), "--vocab-bpe", str(gpt2_bpe_dir / "vocab.bpe"),
-                        "--inputs", str(src), "--outputs", str(dst), "--workers", str(workers)], check=True)
+        proc = subprocess.run([sys.executable, textprep.__file__, "gpt2-encode", "--encoder-json",
+                               str(gpt2_bpe_dir / "encoder.json"), "--vocab-bpe", str(gpt2_bpe_dir / "vocab.bpe"),
+                               "--inputs", str(src), "--outputs", str(dst), "--workers", str(workers)],
+                              check=True, capture_output=True, text=True)
         assert dst.read_text().splitlines() == expected
+        # a progress line per tenth of the lines (issue #57: the training text takes minutes)
+        assert proc.stderr.splitlines() == [f"gpt2-encode: wiki.valid.tokens {p} %" for p in range(10, 101, 10)]
 
 
 def test_prepare_spm(raw_dir, spm_prep):

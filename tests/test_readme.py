@@ -125,3 +125,58 @@ def test_readme_training_commands_are_the_recipes(readme, recipe, method, tmp_pa
     assert {k: v for k, v in documented.items() if k not in where} == \
         {k: v for k, v in recipe_flags.items() if k not in where}
     assert documented["--save-dir"] == os.path.relpath(recipe_flags["--save-dir"], REPO)
+
+
+ACTIVATE = "source .venv/bin/activate"
+DOC_PAGES = MARKDOWN + sorted(os.path.join("examples", d, "README.md") for d in os.listdir(os.path.join(REPO, "examples"))
+                              if os.path.isfile(os.path.join(REPO, "examples", d, "README.md")))
+
+
+def _fenced_shell_commands(page):
+    """Every command line of ``page``'s ```bash blocks, continuation lines joined."""
+    commands, inside, pending = [], False, ""
+    for line in _read(page).splitlines():
+        if line.startswith("```"):
+            inside = not inside and line.strip() in ("```bash", "```sh")
+            continue
+        if inside and (pending or (line.strip() and not line.lstrip().startswith("#"))):
+            pending += line.rstrip("\\").rstrip() + " " if line.endswith("\\") else line
+            if not line.endswith("\\"):
+                commands.append(pending.strip())
+                pending = ""
+    return commands
+
+
+def _cheap(command):
+    """A command that only prints: the plugin's directory, or a recipe's --dry-run without a redirect."""
+    return command.split("#")[0].strip() == "fairseq-agg" or (
+        re.match(r"bash examples/\w+/train\.sh ", command) and "--dry-run" in command and ">" not in command)
+
+
+def test_readme_activates_the_environment_once_up_front(readme):
+    """The set-up commands create .venv/ (scripts/setup_env.sh); the line after them activates it,
+    so that the bare commands after it (fairseq-agg, fairseq-train, python) run as written."""
+    assert 'venv="$root/.venv"' in _read("scripts", "setup_env.sh")
+    setup = _fenced_shell_commands("README.md")[:3]
+    assert [c.split("#")[0].strip() for c in setup] == ["bash scripts/run_demo.sh", "bash scripts/run_tests.sh",
+                                                        ACTIVATE]
+    assert readme.count(ACTIVATE) == 1
+
+
+def test_the_docs_cheap_commands_run_as_written():
+    """The fenced commands that only print (fairseq-agg, the recipes' dry runs) run exactly as printed
+    in the activated environment (the venv's bin first on PATH, as activation puts it)."""
+    import subprocess
+    import sys
+
+    commands = sorted({c for page in DOC_PAGES for c in _fenced_shell_commands(page) if _cheap(c)})
+    assert len(commands) >= 5 and "fairseq-agg" in {c.split("#")[0].strip() for c in commands}, commands
+    bindir = os.path.dirname(sys.executable)
+    env = dict(os.environ, PATH=bindir + os.pathsep + os.environ.get("PATH", ""), VIRTUAL_ENV=os.path.dirname(bindir))
+    procs = [(c, subprocess.Popen(["bash", "-c", c], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True)) for c in commands]
+    for command, proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0 and out.strip(), (command, err[-2000:])
+        if "train.sh" in command:
+            assert "/fairseq-train " in out and "--dry-run" not in out, command

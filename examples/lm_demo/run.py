@@ -24,7 +24,7 @@ import sys
 import time
 
 from examples import textprep
-from examples.demo_common import Demo, build_parser
+from examples.demo_common import BASELINE, Demo, build_parser
 from examples.lm_demo import bible, wordsim
 from study.harness import fairseq_commands
 from study.harness.cli import check_args, exit_in_one_line
@@ -61,30 +61,30 @@ COMMON_TRAIN = [
 
 METHODS = {
     "baseline": {"criterion": "cross_entropy", "arch": "transformer_lm_gpt", "args": [],
-                 "what": "stock fairseq cross_entropy"},
+                 "name": "baseline (stock cross-entropy)", "what": "stock fairseq cross_entropy"},
     "agg": {"criterion": "cross_entropy_agg", "arch": "transformer_lm_gpt", "args": ["--agg-alpha", "0.03"],
-            "what": "adaptive gradient gating, alpha 0.03 (Yu et al. 2022)"},
-    "al": {"criterion": "augmented_loss", "arch": "transformer_lm_gpt", "args": [],
+            "name": "AGG (adaptive gradient gating)", "what": "adaptive gradient gating, alpha 0.03 (Yu et al. 2022)"},
+    "al": {"criterion": "augmented_loss", "arch": "transformer_lm_gpt", "args": [], "name": "augmented loss (REAL)",
            "what": "augmented loss with reused (tied) embeddings, REAL (Inan et al. 2017)"},
     "mlra": {"criterion": "cross_entropy", "arch": "transformer_lm_mlra_gpt", "args": [],
-             "what": "stock CE on low-rank Q/K/V attention, MLRA (Chung et al. 2024)"},
+             "name": "MLRA (low-rank attention)", "what": "stock CE on low-rank Q/K/V attention, MLRA (Chung et al. 2024)"},
     "agg+mlra": {"criterion": "cross_entropy_agg", "arch": "transformer_lm_mlra_gpt", "args": ["--agg-alpha", "0.03"],
-                 "what": "AGG on the MLRA model"},
+                 "name": "AGG + MLRA", "what": "AGG on the MLRA model"},
     # the remedies the AGG paper compares against (docs/baselines.md); not in the default list
     "freeze": {"criterion": "cross_entropy_agg", "arch": "transformer_lm_gpt",
                "args": ["--agg-freeze-rare", "--agg-alpha", "0.03"],
-               "what": "CE with the rare tokens' output embeddings frozen (AGG paper, Table 1)"},
+               "name": "rare-token freezing", "what": "CE with the rare tokens' output embeddings frozen (AGG paper, Table 1)"},
     "cosreg": {"criterion": "cross_entropy_cosreg", "arch": "transformer_lm_gpt", "args": [],
-               "what": "CE + cosine regularisation, gamma 1 (Gao et al. 2019)"},
+               "name": "CosReg (cosine regularisation)", "what": "CE + cosine regularisation, gamma 1 (Gao et al. 2019)"},
     "face": {"criterion": "cross_entropy_face", "arch": "transformer_lm_gpt", "args": [],
-             "what": "frequency-aware CE, pre-weighting of argmax counts (Jiang et al. 2019)"},
+             "name": "FACE (frequency-aware CE)", "what": "frequency-aware CE, pre-weighting of argmax counts (Jiang et al. 2019)"},
     "ul": {"criterion": "cross_entropy_unlikelihood", "arch": "transformer_lm_gpt", "args": [],
-           "what": "CE + token-level unlikelihood, alpha 1 (Welleck et al. 2020)"},
+           "name": "token-level unlikelihood", "what": "CE + token-level unlikelihood, alpha 1 (Welleck et al. 2020)"},
     # an optimizer instead of a criterion (docs/coupled_adam.md); not in the default list either
     # weight decay as its authors run it: the coupled embedding and the 1-D parameters undecayed
     "coupled-adam": {"criterion": "cross_entropy", "arch": "transformer_lm_gpt", "optimizer": "coupled_adam",
                      "optimizer_args": ["--coupled-adam-decay", "non-embedding-matrices"],
-                     "args": [], "what": "stock CE, Coupled Adam: the embedding rows share Adam's second moment, "
+                     "args": [], "name": "Coupled Adam", "what": "stock CE, Coupled Adam: the embedding rows share Adam's second moment, "
                      "decay of the other matrices only (Stollenwerk & Stollenwerk 2025)"},
 }
 DEFAULT_METHODS = ["baseline", "agg", "al", "mlra", "agg+mlra"]
@@ -119,6 +119,11 @@ COLUMNS = [  # (key, header, digits)
     ("simlex999", "SL999", 3), ("simlex999_sub", "SL999 sub", 3),
     ("rare_tokens", "rare tok", 0), ("train_seconds", "train s", 0),
 ]
+# the better direction of a column (its arrow, its change against the baseline, the verdicts): lower
+# perplexity, more isotropy (I(W) up, mean cosine down), word similarity closer to people's
+BETTER = {**{k: "down" for k in ("valid_ppl", "test_ppl", "test_ppl_freq", "test_ppl_med", "test_ppl_rare",
+                                 "mean_cos")},
+          **{k: "up" for k in ("isotropy", "wordsim353", "wordsim353_sub", "simlex999", "simlex999_sub")}}
 
 
 def parse_args(argv):
@@ -245,6 +250,14 @@ def word_sim_numbers(report):
     return row
 
 
+def rare_at_last_update(run, report):
+    """AGG's rare set at the run's last update: from the window of counts its final checkpoint
+    carries (the analysis' ``agg`` section); the training log's last value (a mean over its last
+    log interval) where the report has none."""
+    agg = report.get("agg")
+    return float(agg["rare"]) if agg else run.rare_tokens
+
+
 def collect(run, valid_rep, test_rep):
     """The table's numbers of one run."""
     mat = tied_matrix(valid_rep)["all"]
@@ -252,7 +265,8 @@ def collect(run, valid_rep, test_rep):
         "valid_ppl": valid_rep["ppl"]["total"]["ppl"],
         "test_ppl": test_rep["ppl"]["total"]["ppl"],
         "isotropy": mat["isotropy"], "tev_mu": mat["tev_mu"], "tev_sigma": mat["tev_sigma"],
-        "mean_cos": mat["mean_cos"], "rare_tokens": run.rare_tokens, "train_seconds": run.train_seconds,
+        "mean_cos": mat["mean_cos"], "rare_tokens": rare_at_last_update(run, valid_rep),
+        "train_seconds": run.train_seconds,
     }
     for g in ("freq", "med", "rare"):
         row[f"valid_ppl_{g}"] = valid_rep["ppl"]["groups"][g]["ppl"]
@@ -265,40 +279,61 @@ def collect(run, valid_rep, test_rep):
 
 def comparison_figure(results, curves, methods):
     """The methods side by side (a matplotlib Figure): (a) test perplexity per frequency group, (b)
-    isotropy I(W) of the tied embedding, (c) training cross-entropy over the updates. With several
-    seeds a bar is the mean ± half the range over the seeds (as in the table) and a curve the mean
-    with a min-max band. A method has the same colour in (b) and (c)."""
+    isotropy I(W) of the tied embedding, (c) training cross-entropy over the updates. With a baseline
+    among the methods, (a) is each method's change against it in % and (c) its difference from the
+    baseline's curve, on linear axes: the methods differ by a few per cent, which a log axis of the
+    perplexities or curves on top of each other hide. With several seeds a bar is the mean ± half
+    the range over the seeds (as in the table) and a curve the mean with a min-max band. A method
+    has the same colour in (b) and (c)."""
     from fairseq_agg.analysis.plots import GROUP_COLOURS, GROUP_LABELS, line_style, pyplot
 
     plt = pyplot()
     several = any(len(results[m]) > 1 for m in methods)
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6), layout="constrained")
+    groups = ("freq", "med", "rare")
+    base_ppl = {g: mean_spread([r[f"test_ppl_{g}"] for r in results.get(BASELINE, [])])[0] for g in groups}
+    relative = BASELINE in methods and all(base_ppl.values())
+    shown = [m for m in methods if m != BASELINE] if relative else list(methods)
     x = list(range(len(methods)))
-    ticks = {"rotation": 30, "ha": "right"} if len(methods) > 4 else {}
 
-    def bars(ax, key, offset=0.0, width=0.8, **style):
-        stats = [mean_spread([r[key] for r in results[m]]) for m in methods]
+    def bars(ax, key, names, offset=0.0, width=0.8, scale=None, **style):
+        stats = [mean_spread([r[key] for r in results[m]]) for m in names]
         nan = float("nan")  # a method without the value gets no bar
-        return ax.bar([i + offset for i in x], [nan if v is None else v for v, _ in stats], width,
-                      yerr=[nan if h is None else h for _, h in stats] if several else None, capsize=3, **style)
+        heights = [nan if v is None else v if scale is None else (v - scale) / scale * 100.0 for v, _ in stats]
+        spreads = [nan if h is None else h if scale is None else h / scale * 100.0 for _, h in stats]
+        return ax.bar([i + offset for i in range(len(names))], heights, width, yerr=spreads if several else None,
+                      capsize=3, **style)
 
     width = 0.8 / 3
-    for k, g in enumerate(("freq", "med", "rare")):
-        bars(axes[0], f"test_ppl_{g}", (k - 1) * width, width, color=GROUP_COLOURS[g], label=GROUP_LABELS[g])
-    axes[0].set_yscale("log")
-    axes[0].set_ylabel("test perplexity per token (log scale)")
-    axes[0].set_title("(a) test perplexity per frequency group")
+    for k, g in enumerate(groups):
+        bars(axes[0], f"test_ppl_{g}", shown, (k - 1) * width, width, base_ppl[g] if relative else None,
+             color=GROUP_COLOURS[g], label=GROUP_LABELS[g])
+    if relative:
+        axes[0].axhline(0.0, color="black", linewidth=0.8)
+        axes[0].set_ylabel("test perplexity vs the baseline (%, lower is better)")
+        axes[0].set_title("(a) test perplexity per frequency group, vs the baseline")
+    else:
+        axes[0].set_yscale("log")
+        axes[0].set_ylabel("test perplexity per token (log scale)")
+        axes[0].set_title("(a) test perplexity per frequency group")
     axes[0].legend(title="frequency group", loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
 
-    iso = bars(axes[1], "isotropy", color=[line_style(i)["color"] for i in x])
+    iso = bars(axes[1], "isotropy", methods, color=[line_style(i)["color"] for i in x])
     if not several:
         axes[1].bar_label(iso, fmt="%.3f", padding=2, fontsize=8)
     axes[1].set_ylim(0, 1.08)
     axes[1].set_ylabel("isotropy I(W) (1 = isotropic)")
     axes[1].set_title("(b) isotropy of the tied embedding")
 
+    base_curve = dict(zip(*seed_band([c for c in curves.get(BASELINE, []) if c])[:2])) if relative else {}
     for i, m in enumerate(methods):
         updates, mean, lo, hi = seed_band([c for c in curves[m] if c])
+        if base_curve:  # the difference from the baseline's mean, at the updates both logged
+            if m == BASELINE:
+                continue
+            keep = [(j, base_curve[u]) for j, u in enumerate(updates) if u in base_curve]
+            mean, lo, hi = ([seq[j] - b for j, b in keep] for seq in (mean, lo, hi))
+            updates = [updates[j] for j, _ in keep]
         if not updates:
             continue
         style = line_style(i)
@@ -306,12 +341,19 @@ def comparison_figure(results, curves, methods):
         if len([c for c in curves[m] if c]) > 1:
             axes[2].fill_between(updates, lo, hi, color=style["color"], alpha=0.2, linewidth=0)
     axes[2].set_xlabel("update")
-    axes[2].set_ylabel("training cross-entropy (bits/token)")
-    axes[2].set_title("(c) training cross-entropy" + (" (band: min-max over seeds)" if several else ""))
+    band = " (band: min-max over seeds)" if several else ""
+    if base_curve:
+        axes[2].axhline(0.0, color="black", linewidth=0.8)
+        axes[2].set_ylabel("training cross-entropy minus the baseline's (bits/token)")
+        axes[2].set_title("(c) training cross-entropy vs the baseline" + band)
+    else:
+        axes[2].set_ylabel("training cross-entropy (bits/token)")
+        axes[2].set_title("(c) training cross-entropy" + band)
     if axes[2].lines:
         axes[2].legend(title="method", loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    axes[0].set_xticks(range(len(shown)), shown, **({"rotation": 30, "ha": "right"} if len(shown) > 4 else {}))
+    axes[1].set_xticks(x, methods, **({"rotation": 30, "ha": "right"} if len(methods) > 4 else {}))
     for ax in axes[:2]:
-        ax.set_xticks(x, methods, **ticks)
         ax.set_xlabel("method")
     for ax in axes:
         ax.grid(alpha=0.3, axis="y")
@@ -346,14 +388,19 @@ def report(a, plan, info, runs, valid, test):
         # the cross-entropy (nll_loss) of criteria that add terms to it, else their loss (= cross-entropy)
         curves[run.method].append(train_curve(run.lines, "nll_loss") or train_curve(run.lines))
     say("")
-    say(f"[demo] results after {plan.updates} updates per run, seeds {a.seeds} (mean ± half the range over seeds);")
-    say("[demo] PPL is per sentencepiece token; groups are the 30% / 50% / 20% most / medium / least frequent types;")
-    say("[demo] I(W), µTEV, σTEV and mean cos are of the tied embedding; rare tok = AGG's rare set at the last update")
-    say("[demo] WS353 / SL999 = Spearman's rho on WordSim-353 / SimLex-999: pairs of single-token words, and "
-        "(sub) all pairs, words averaged over their sentencepiece pieces; pair counts in results.json")
-    say(f"[demo] train s = fairseq's training time with {plan.lanes} run(s) sharing the machine")
-    DEMO.write_results(a, plan, info, results, COLUMNS, vocab=a.vocab_size, threads=a.threads,
-                       runs={label: run_record(run) for label, run in runs.items()})
+    legend = (
+        f"Results after {plan.updates} updates per run, seeds {a.seeds} (mean ± half the range over seeds).",
+        "PPL is per sentencepiece token (valid / test: whole split; test freq / med / rare: the 30% / 50% / 20% "
+        "most / medium / least frequent types).",
+        "I(W) (isotropy, 1 = directions used evenly), µTEV / σTEV (mean / spread of the token embeddings' variability) "
+        "and mean cos (mean pairwise cosine) are of the tied embedding.",
+        "WS353 / SL999 = Spearman's rho on WordSim-353 / SimLex-999: pairs of single-token words, and (sub) all "
+        "pairs, words averaged over their sentencepiece pieces; pair counts in results.json.",
+        "rare tok = the types AGG gated at the last update (from its final checkpoint's window of counts); "
+        f"train s = fairseq's training time with {plan.lanes} run(s) sharing the machine.",
+    )
+    DEMO.write_results(a, plan, info, results, COLUMNS, better=BETTER, legend=legend, vocab=a.vocab_size,
+                       threads=a.threads, runs={label: run_record(run) for label, run in runs.items()})
     fig = figures(results, curves, out_dir, methods)
     say(f"[demo] figures: {fig}, {out_dir}/analysis-valid/spectrum.png, {out_dir}/analysis-valid/projection.png")
 

@@ -5,7 +5,8 @@
 # Usage: bash examples/wikitext103/evaluate.sh --checkpoint PATH [flags] [-- fairseq-eval-lm flags]
 #
 # Flags (default):
-#   --checkpoint PATH        a checkpoint, or train.sh's --save-dir: then its checkpoint_best.pt
+#   --checkpoint PATH        a checkpoint, or train.sh's --save-dir: then its checkpoint_best.pt,
+#                            the lowest validation NLL for every train.sh METHOD
 #                            (checkpoint_last.pt when there is none) (required)
 #   --prep DIR               the --out of prepare.sh, with data-bin/ (unless DATA_BIN) and
 #                            tokenizer.txt (data/wikitext103)

@@ -9,6 +9,9 @@
 #         agg+aug    AGG gating and the augmented loss in one criterion
 #         mlra       cross_entropy on transformer_lm_mlra_gpt2_small (low-rank Q/K/V)
 #         agg+mlra   AGG on the MLRA model
+#         coupled-adam       baseline's criterion, --optimizer coupled_adam at its authors' weight decay
+#                            (--coupled-adam-decay non-embedding-matrices, docs/coupled_adam.md)
+#         agg+coupled-adam   agg's criterion with that optimizer
 #
 # Flags (default):
 #   --nodes M               machines to train on (1)
@@ -25,6 +28,8 @@
 #   --distributed-port P    slurm: the port fairseq meets at on the first node (29500)
 #   --dry-run               print the command (slurm: an sbatch script) instead of running it (off);
 #                           `--nodes M --gpus N --dry-run` prints both launchers' forms (--launcher)
+#   --min-free-gb G         refuse to start when the save directory's disk has less free space (60:
+#                           the run's checkpoints, README "What a run costs"; 0 = no check)
 #   --precision P           fp16, fp32 or auto: fp16 (--fp16, the paper's) when the run is on GPUs
 #                           (a GPU here, several GPUs, torchrun or slurm) or printed by --dry-run (a
 #                           command for a GPU machine, also from a machine without one), fp32 when it
@@ -57,7 +62,9 @@
 # FFN 4096, 16 heads, dropout 0.1) with tied embeddings, Adam (0.9, 0.98), lr 7e-4, inverse_sqrt
 # with 4000 warm-up updates from 1e-7, weight decay 0.01, no clipping, 1024-token samples,
 # 50k updates, seed 1; --fp16 on GPUs (--precision). Checkpoints: checkpoint_best.pt,
-# checkpoint_last.pt and one per epoch.
+# checkpoint_last.pt and one per epoch. checkpoint_best.pt is the lowest validation `loss`, which
+# for aug and agg+aug includes the augmented loss's KL: those rank on nll_loss instead
+# (--best-checkpoint-metric nll_loss), the cross-entropy evaluate.sh scores.
 #
 # Environment: DATA_BIN (default data/wikitext103/data-bin), SAVE_DIR (default
 # checkpoints/wikitext103/METHOD), EMBED_STATS_INTERVAL (log TEV / mean cosine every N updates;
@@ -70,25 +77,37 @@ source "$here/../common.sh"  # root, py, bindir, die, parse_flags and the train.
 
 nodes=1; gpus=1; update_freq=""; launcher=""; rdzv_endpoint=""; distributed_port=""; dry_run=0
 precision_choice=auto
+min_free_gb=""
 parse_flags "@ --nodes=nodes --gpus=gpus --update-freq=update_freq --launcher=launcher --rdzv-endpoint=rdzv_endpoint
-  --distributed-port=distributed_port --dry-run=!dry_run --precision=precision_choice --" "$@"
+  --distributed-port=distributed_port --dry-run=!dry_run --precision=precision_choice --min-free-gb=min_free_gb --" "$@"
 read_method
 [[ ${#positional[@]} -le 1 ]] || die "unexpected argument '${positional[1]}' (see --help; fairseq flags go after --)"
 train_settings "$root/data/wikitext103/data-bin" "$root/checkpoints/wikitext103/$method" dict.txt \
   examples/wikitext103/prepare.sh
+check_free_disk 60 examples/wikitext103/README.md
 
 arch=transformer_lm_gpt2_small
 [[ "$method" == *mlra* ]] && arch=transformer_lm_mlra_gpt2_small
 method_criterion cross_entropy 0.03
+method_optimizer
 check_launch
 batch_settings 4096 8 1024  # a micro-batch holds whole 1,024-token samples
 gpu_precision
+case "$method" in  # one H200 at the recipe's settings (the README's measurement)
+  baseline) hours="about 4.6 GPU-hours (measured, one H200)" ;;
+  agg) hours="about 5.4 GPU-hours (measured, one H200)" ;;
+  aug) hours="about 5.5 GPU-hours (measured, one H200)" ;;
+  mlra) hours="about 4.0 GPU-hours (measured, one H200)" ;;
+  *) hours="GPU-hours not measured (baseline 4.6, agg 5.4 on one H200)" ;;
+esac
+say_cost "$hours; about 60 GB of disk for its checkpoints (derived; -- --keep-last-epochs 2 keeps fewer)" \
+  examples/wikitext103/README.md
 
 run_train "$bindir/fairseq-train" "$data" --user-dir "$root/fairseq_agg_plugin" \
   --task language_modeling --arch "$arch" --share-decoder-input-output-embed \
   "${crit[@]}" \
   --dropout 0.1 --attention-dropout 0.1 \
-  --optimizer adam --adam-betas "(0.9, 0.98)" --weight-decay 0.01 --clip-norm 0.0 \
+  "${optim[@]}" --adam-betas "(0.9, 0.98)" --weight-decay 0.01 --clip-norm 0.0 \
   --lr 7e-4 --lr-scheduler inverse_sqrt --warmup-updates 4000 --warmup-init-lr 1e-07 \
   --tokens-per-sample 1024 --sample-break-mode none "${batch[@]}" \
   "${precision[@]}" --seed 1 --max-update 50000 --ddp-backend no_c10d \

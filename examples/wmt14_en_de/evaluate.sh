@@ -13,7 +13,8 @@
 #                            update: the last N checkpoint_E_U.pt; both an error when there are
 #                            fewer. auto: the last N epoch checkpoints, else the last N update
 #                            checkpoints, else all the numbered checkpoints of the kind there are
-#                            more of, else checkpoint_best.pt (checkpoint_last.pt) unaveraged; a
+#                            more of, else checkpoint_best.pt (train.sh: the lowest validation
+#                            nll_loss; else checkpoint_last.pt) unaveraged; a
 #                            fallback says so in one line. After train.sh's default run this
 #                            averages the last 5 of the 10 epoch checkpoints it keeps.
 #   --upper-bound N          ignore checkpoints after epoch (update) N (none)

@@ -287,5 +287,5 @@ class AggLoss(CountsPerUpdate):
         return (f"operating point: a type is rare below {p.count_per_epoch:.3g} occurrences per epoch "
                 f"({tokens_per_epoch:,.0f} target tokens in {updates_per_epoch:,.0f} updates of about "
                 f"{p.tokens_per_update:,.0f}); a type at that count is a target in at most {100 * p.target_share:.3g} % "
-                f"of the updates (the paper's WikiText-103 LM: below about {PAPER_OPERATING_POINT[0]} per epoch, "
-                f"{100 * PAPER_OPERATING_POINT[1]:g} % of the updates)")
+                f"of the updates (the paper's WikiText-103 LM: below about {PAPER_OPERATING_POINT.count_per_epoch:.3g} "
+                f"per epoch, {100 * PAPER_OPERATING_POINT.target_share:.3g} % of the updates)")

@@ -11,10 +11,9 @@ from fairseq_agg.errors import UsageError, check_number
 # docs/agg.md, "Flags"): WikiText-103 LM --max-tokens 4096 x --update-freq 8 = 32,768 target tokens;
 # WMT14 En-De --max-tokens 8192 x --update-freq 8 = 65,536 tokens (an upper bound, less padding).
 PAPER_TOKENS_PER_UPDATE = {"language_modeling": 32768, "translation": 65536}
-# The released per-update rule at alpha 0.03 in the paper's WikiText-103 run: about 3,600 updates of
-# 32,768 tokens per epoch, so a type is rare below 0.03 x 3,600 = 108 counts per epoch, a target in
-# at most 3 % of the updates (docs/agg.md, "The operating point").
-PAPER_OPERATING_POINT = (110, 0.03)
+# The paper's WikiText-103 run has about 3,600 updates per epoch (about 118M GPT-2 tokens / 32,768);
+# the paper states no count, so its operating point is derived (PAPER_OPERATING_POINT, below).
+PAPER_UPDATES_PER_EPOCH = 3600
 
 
 def resolve_threshold(threshold_mode: str, ref_tokens: int, translation: bool):
@@ -56,6 +55,12 @@ def operating_point(alpha: float, threshold_mode: str, ref_tokens: int, tokens_p
     return OperatingPoint(count_per_epoch=count, target_share=count / updates_per_epoch,
                           tokens_per_update=tokens_per_epoch / updates_per_epoch, updates_per_epoch=updates_per_epoch)
 
+
+# alpha 0.03 there: a type is rare below 0.03 x 3,600 = 108 counts per epoch, a target in at most 3 %
+# of the updates (both rules agree, as its updates hold B_ref tokens; docs/agg.md, "The operating point")
+PAPER_OPERATING_POINT = operating_point(0.03, "relative", PAPER_TOKENS_PER_UPDATE["language_modeling"],
+                                        PAPER_UPDATES_PER_EPOCH * PAPER_TOKENS_PER_UPDATE["language_modeling"],
+                                        PAPER_UPDATES_PER_EPOCH)
 
 G1_MODES = ("code", "normalized")
 THRESHOLD_MODES = ("relative", "per-update")

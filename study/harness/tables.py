@@ -40,16 +40,17 @@ def result_rows(methods, results, columns):
     return headers, rows
 
 
-def print_table(headers, rows, out=None):
-    """The plain-text table of ``headers`` and ``rows`` (numbers right-aligned), printed and, given
-    ``out``, written there; returns its text."""
+def print_table(headers, rows, out=None, show=True):
+    """The plain-text table of ``headers`` and ``rows`` (numbers right-aligned), printed (unless
+    ``show`` is false) and, given ``out``, written there; returns its text."""
     widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
     sep = "-+-".join("-" * w for w in widths)
     text = [" | ".join(str(h).ljust(w) for h, w in zip(headers, widths)), sep]
     for r in rows:
         text.append(" | ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
     s = "\n".join(text)
-    say(s)
+    if show:
+        say(s)
     if out:
         with open(out, "w", encoding="utf-8") as f:
             f.write(s + "\n")
