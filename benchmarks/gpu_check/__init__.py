@@ -43,7 +43,12 @@ budget (``--deadline``), one module each:
    its big version, ``aug`` and ``mlra`` on the base one; words (target tokens) per second and peak
    memory, ratios against the same size's baseline: what the recipe's README needs to price a run;
 4. :mod:`.stats`: one live statistics step (TEV + mean cosine) and one isotropy step at
-   V = 50,000, d = 1,024, and their share of a training update at the recommended intervals.
+   V = 50,000, d = 1,024, and their share of a training update at the recommended intervals;
+5. (``--parts hf``, not in the default parts: a run of its own) :mod:`.hf`: the Hugging Face path,
+   one step of a one-layer ``LlamaForCausalLM`` (d = 2,048, 8,192 tokens, bf16) at V = 32,000 and
+   128,256 with transformers' own loss against ``fairseq_agg.hf.apply(model, method="ce" / "agg")``
+   and Liger's fused linear cross-entropy (:mod:`benchmarks.hf`); skipped with the reason where
+   transformers does not import (the bundle of scripts/device/prepare.sh does not carry it).
 
 The targets are rows of the one table (:mod:`benchmarks.targets`), judged by :mod:`.evaluate`.
 Writes ``gpu_check.json`` and ``gpu_check.md`` (:mod:`.markdown`) into ``--out`` after every part.

@@ -10,13 +10,14 @@ import benchmarks.gpu_check
 from benchmarks.flags import choose
 from benchmarks.gpu_check.correctness import part_correctness
 from benchmarks.gpu_check.evaluate import evaluate_targets
+from benchmarks.gpu_check.hf import part_hf
 from benchmarks.gpu_check.output_layer import part_output_layer
 from benchmarks.gpu_check.plan import CPU_SMOKE_PLAN, GPU_PLAN
 from benchmarks.gpu_check.record import Budget, Report, collect_meta, log
 from benchmarks.gpu_check.stats import add_stats_share, part_stats
 from benchmarks.gpu_check.train import part_train, part_train_mt
 
-PARTS = ("correctness", "output_layer", "train", "train_mt", "stats")
+PARTS = ("correctness", "output_layer", "train", "train_mt", "stats", "hf")
 DEFAULT_PARTS = ("correctness", "output_layer", "train", "stats")
 
 
@@ -31,7 +32,7 @@ def build_parser():
                     "default 450 on a GPU, 300 for --cpu-smoke)")
     ap.add_argument("--parts", default=",".join(DEFAULT_PARTS),
                     help=f"comma-separated subset of {','.join(PARTS)} (default: {','.join(DEFAULT_PARTS)}; "
-                    "train_mt, the WMT14 recipe's models, takes a run of its own)")
+                    "train_mt, the WMT14 recipe's models, and hf, the Hugging Face path, take a run of their own)")
     return ap
 
 
@@ -57,6 +58,8 @@ def run_parts(parts, plan, device, budget, report):
         report.run_part("train", lambda: part_train(plan, device, budget), budget, 30)
     if "train_mt" in parts:
         report.run_part("train_mt", lambda: part_train_mt(plan, device, budget), budget, 30)
+    if "hf" in parts:
+        report.run_part("hf", lambda: part_hf(plan, device), budget, 20)
 
 
 def main(argv=None):

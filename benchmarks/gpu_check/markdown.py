@@ -141,18 +141,25 @@ def _stats(out, part):
                                part["stats_ms_per_update"], part.get("share_of_training")]]))
 
 
-# (title, part, what makes its body, the field the body needs); train_mt only where it ran
+def _hf(out, part):
+    out.append(f"\nOne step (forward + backward) of a {part['layers']}-layer LlamaForCausalLM, {part['dtype']}, "
+               f"{part['warmup']} warm-up and {part['repeats']} timed rounds; memory: {part['memory']}.\n\n")
+    out.append(part["markdown"] + "\n")
+
+
+# (title, part, what makes its body, the field the body needs); train_mt and hf only where they ran
 SECTIONS = (("1. Correctness: fused vs reference", "correctness", _correctness, "cases"),
             ("2. Output layer + loss (forward + backward)", "output_layer", _output_layer, "runs"),
             ("3. fairseq-train", "train", _train, "runs"),
             ("3b. fairseq-train, the WMT14 recipe's models", "train_mt", _train_mt, "runs"),
-            ("4. Embedding statistics", "stats", _stats, "tev_step_ms"))
+            ("4. Embedding statistics", "stats", _stats, "tev_step_ms"),
+            ("5. Hugging Face: apply(model) against transformers' loss", "hf", _hf, "markdown"))
 
 
 def render_markdown(data):
     out, parts = _header(data), data["parts"]
     for title, name, body, needs in SECTIONS:
-        if name == "train_mt" and name not in parts:
+        if name in ("train_mt", "hf") and name not in parts:
             continue
         part = _section(out, parts, title, name)
         if part and needs in part:

@@ -39,6 +39,9 @@ class Plan:
     # 4. statistics
     stats_shape: tuple
     stats_repeats: int
+    # 5. the Hugging Face path (part hf): vocabularies; (hidden size, layers, tokens per row, tokens, dtype)
+    hf_vocabs: tuple
+    hf_shape: tuple
 
 
 GPU_PLAN = Plan(
@@ -69,6 +72,8 @@ GPU_PLAN = Plan(
     mt_max_tokens=8192,  # the recipe's tokens per GPU and micro-batch
     stats_shape=(50000, 1024),
     stats_repeats=3,
+    hf_vocabs=(32000, 128256),  # Llama 2's and Llama 3's
+    hf_shape=(2048, 1, 2048, 8192, "bf16"),
 )
 
 # fp32 training only: fairseq's --fp16 needs a GPU, so fp32 stands in for it in the words/s targets
@@ -85,4 +90,5 @@ CPU_SMOKE_PLAN = dataclasses.replace(
                    "--encoder-attention-heads", "2", "--decoder-attention-heads", "2"),
     mt_vocab=600, mt_max_tokens=256,
     stats_shape=(2000, 64), stats_repeats=1,
+    hf_vocabs=(500,), hf_shape=(32, 1, 64, 128, "fp32"),
 )

@@ -30,6 +30,9 @@ from typing import Iterable, NamedTuple, Tuple, Union
 import torch
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+# which parameters weight decay reaches: all, or the authors' setting (the matrices other than the
+# coupled ones; docs/coupled_adam.md, "Weight decay")
+DECAY_CHOICES = ("all", "non-embedding-matrices")
 
 
 class CoupledBlock(NamedTuple):

@@ -26,11 +26,9 @@ from fairseq.optim.adam import FairseqAdam, FairseqAdamConfig
 from ..errors import UsageError, check_choice, check_number
 from ..fairseq_facts.optimizer_params import locate_model_parameters
 from ..stats.matrices import MATRIX_CHOICES, embedding_matrices
-from .coupled_adam import CoupledAdam, CoupledBlock
+from .coupled_adam import DECAY_CHOICES, CoupledAdam, CoupledBlock
 
 logger = logging.getLogger(__name__)
-
-DECAY_CHOICES = ("all", "non-embedding-matrices")
 
 
 @dataclass

@@ -15,6 +15,9 @@ Groups (names ``freq``, ``med``, ``rare``):
   authors' released WikiText-103 evaluation (their eval_lm.py: ids <= 13000 frequent, ids >= 36000
   rare), specials included, to reproduce it exactly.
 
+:func:`split_by_fractions` is the cut by fractions alone, for any ids in frequency order (the
+Hugging Face statistics sort a vocabulary by its training counts: docs/hf.md, "Statistics").
+
 Row policies for matrix statistics: ``all``; ``no-pad-madeup`` (default: drops the zero-initialised
 padding row and the ``madeupword`` rows); ``no-special`` (also drops every special symbol).
 
@@ -130,8 +133,15 @@ def frequency_groups(
             )
         ids = torch.arange(V)
         return OrderedDict(zip(GROUP_NAMES, (ids[:b1], ids[b1:b2], ids[b2:])))
-    f1, f2, _ = parse_fractions(fractions)
-    ids = eligible_ids(dictionary, V)
+    return split_by_fractions(eligible_ids(dictionary, V), fractions)
+
+
+def split_by_fractions(ids: torch.Tensor, fractions: Sequence[float] = DEFAULT_FRACTIONS,
+                       flag: str = "--embed-group-fractions") -> "OrderedDict[str, torch.Tensor]":
+    """``{"freq", "med", "rare"}``: ``ids`` (most frequent first) cut at round(f1·n) and
+    round((f1+f2)·n), rounding halves up (a dictionary's eligible ids, or any vocabulary's ids
+    sorted by their training counts)."""
+    f1, f2, _ = parse_fractions(fractions, flag)
     n = ids.numel()
     b1, b2 = _round_half_up(f1 * n), _round_half_up((f1 + f2) * n)
     return OrderedDict(zip(GROUP_NAMES, (ids[:b1], ids[b1:b2], ids[b2:])))
