@@ -31,15 +31,18 @@ FLOORS = {
     "fairseq_agg.ops": 2,
     "fairseq_agg.modules": 2,
     "fairseq_agg.stats": 2,
-    "fairseq_agg.analysis": 3, "fairseq_agg.registration": 3,
-    "fairseq_agg.models": 3, "fairseq_agg.optim": 3, "fairseq_agg.criterions": 3,
+    "fairseq_agg.analysis": 3, "fairseq_agg.registration": 3, "fairseq_agg.tasks": 3,
+    "fairseq_agg.models": 3, "fairseq_agg.optim": 3, "fairseq_agg.criterions": 3, "fairseq_agg.hf": 3,
     "fairseq_agg.tools": 4, "fairseq_agg.flags": 4,
     "fairseq_agg": 5,
 }
 # the modules that import no fairseq (the "imports" column): a name, or NAME.* for all below it
 FAIRSEQ_FREE = ("fairseq_agg", "fairseq_agg.errors", "fairseq_agg.files", "fairseq_agg.stats.metrics",
-                "fairseq_agg.ops", "fairseq_agg.ops.*", "fairseq_agg.optim", "fairseq_agg.optim.coupled_adam")
+                "fairseq_agg.ops", "fairseq_agg.ops.*", "fairseq_agg.optim", "fairseq_agg.optim.coupled_adam",
+                "fairseq_agg.hf", "fairseq_agg.hf.*")
 FAIRSEQ = ("fairseq", "fairseq_cli")
+# the one part of the package that imports Hugging Face's libraries (the floors' table, hf/)
+HF_PART, HF_LIBRARIES = "fairseq_agg.hf", ("transformers", "accelerate")
 # the only packages beyond the standard library that these modules import (the "imports" column)
 THIRD_PARTY = {"fairseq_agg.errors": set(), "fairseq_agg.files": set(), "fairseq_agg.stats.metrics": {"torch"},
                "fairseq_agg.requirements": {"torch", "fairseq"}}
@@ -192,6 +195,14 @@ def fairseq_imports(root, package, free):
     return sorted(found)
 
 
+def hf_imports_outside(root, package, part=HF_PART):
+    """(module, imported name) for each import of transformers or accelerate (inside a function too)
+    by a module of ``package`` outside ``part``."""
+    return sorted((module_name(root, path), i) for path in module_files(root, package)
+                  if not (module_name(root, path) + ".").startswith(part + ".")
+                  for i in imported_modules(root, path) if i.split(".")[0] in HF_LIBRARIES)
+
+
 def third_party_breaks(root, package, allowed):
     """(module, imported top-level name) for each import, by a module named in ``allowed``, of a
     package that is neither the standard library, nor ``package``, nor one ``allowed`` names for it."""
@@ -267,6 +278,10 @@ def test_the_core_imports_no_fairseq():
     assert not fairseq_imports(ROOT, PACKAGE, FAIRSEQ_FREE)
 
 
+def test_only_hf_imports_hugging_faces_libraries():
+    assert not hf_imports_outside(ROOT, PACKAGE)
+
+
 @needs_stdlib_names
 def test_the_bottom_floors_import_only_what_their_row_names():
     assert not third_party_breaks(ROOT, PACKAGE, THIRD_PARTY)
@@ -326,6 +341,12 @@ def test_probe_fairseq_in_a_fairseq_free_part(tmp_path):
     assert fairseq_imports(root, "probe", ("probe",)) == []  # the root alone, not what is below it
     assert fairseq_imports(root, "probe", ("probe.*",)) == [("probe.high", "fairseq_cli"),
                                                            ("probe.low", "fairseq.options")]
+
+
+def test_probe_transformers_outside_hf(tmp_path):
+    root = write_tree(tmp_path, {"probe/__init__.py": "", "probe/hf/__init__.py": "import transformers\n",
+                                 "probe/ops.py": "def f():\n    from accelerate import Accelerator\n"})
+    assert hf_imports_outside(root, "probe", "probe.hf") == [("probe.ops", "accelerate")]
 
 
 @needs_stdlib_names

@@ -1,10 +1,13 @@
 """Importing the package changes nothing in the process (issue 46, "An import that changes
 nothing"); registering with fairseq does what fairseq's commands need, scoped to them.
 
-* A plain script, with fairseq installed, imports ``fairseq_agg``, its core ``fairseq_agg.ops`` and
-  the pure-torch optimizer ``fairseq_agg.optim``: fairseq is not loaded, and the root logger,
-  ``argparse.ArgumentParser.error`` and ``sys.excepthook`` are untouched; fairseq, imported after,
-  has its own checkpoint functions and argument parsing.
+* A plain script, with fairseq and transformers installed, imports ``fairseq_agg``, its core
+  ``fairseq_agg.ops`` and the pure-torch optimizer ``fairseq_agg.optim``: neither is loaded, and
+  the root logger, ``argparse.ArgumentParser.error`` and ``sys.excepthook`` are untouched;
+  fairseq, imported after, has its own checkpoint functions and argument parsing.
+  An eager call of the fused layer (``kernel="eager"``) changes nothing either: no warnings
+  filter, environment variable, torch safe global or logger handler (a first ``auto`` call, which
+  runs torch.compile, adds some: docs/api.md).
 * :func:`fairseq_agg.register_with_fairseq` (what ``--user-dir`` runs) replaces those fairseq
   functions and installs the hook, but the one-line refusals stay fairseq's: a parser of the
   program's own keeps argparse's answer even for a flag named like the plugin's, and a
@@ -33,10 +36,24 @@ def process_state():
 ARGPARSE_ERROR = argparse.ArgumentParser.error
 before = process_state()
 import fairseq_agg, fairseq_agg.ops, fairseq_agg.optim
-from fairseq_agg.ops import AggLoss, fused_linear_loss  # noqa: F401
+from fairseq_agg.ops import AggLoss, LossRequest, fused_linear_loss
 from fairseq_agg.optim import CoupledAdam  # noqa: F401
-report = {"before": before, "after_import": process_state(),
-          "fairseq_modules": sorted(m for m in sys.modules if m.split(".")[0] in ("fairseq", "fairseq_cli"))}
+def call_state():
+    # what torch.compile would change on a first "auto" call (docs/api.md): none of it after an eager one
+    import torch, warnings
+    handlers = {name: [repr(h) for h in logger.handlers] for name, logger in logging.Logger.manager.loggerDict.items()
+                if isinstance(logger, logging.Logger) and logger.handlers}
+    return dict(process_state(), warning_filters=[repr(f) for f in warnings.filters], environ=dict(os.environ),
+                safe_globals=[repr(g) for g in torch.serialization.get_safe_globals()], logger_handlers=handlers)
+
+import torch
+imported = call_state()
+h, w = torch.randn(6, 4, requires_grad=True), torch.randn(9, 4, requires_grad=True)
+gates = AggLoss(9, alpha=1.0, window=1, nspecial=0).step(torch.arange(6), 0)
+fused_linear_loss(h, w, torch.arange(6), LossRequest(label_smoothing=0.1, kernel="eager").with_terms(gates)).loss.backward()
+report = {"before": before, "after_import": process_state(), "eager_call": [imported, call_state()],
+          "fairseq_modules": sorted(m for m in sys.modules if m.split(".")[0] in ("fairseq", "fairseq_cli")),
+          "hf_modules": sorted(m for m in sys.modules if m.split(".")[0] in ("transformers", "accelerate"))}
 
 import fairseq
 from fairseq import checkpoint_utils, options
@@ -78,7 +95,9 @@ def state_report(tmp_path, *args):
 def test_importing_the_core_changes_nothing_in_the_process(tmp_path):
     report, proc = state_report(tmp_path)
     assert report["fairseq_modules"] == []
+    assert report["hf_modules"] == []  # transformers is installed (the test extra), and not imported
     assert report["after_import"] == report["before"]
+    assert report["eager_call"][0] == report["eager_call"][1]  # an eager call of the fused layer changes nothing
     assert report["before"]["argparse_error"] and report["before"]["excepthook"]
     assert report["fairseq_functions"] == dict.fromkeys(report["fairseq_functions"], True)
     assert len(report["fairseq_functions"]) == 4
