@@ -53,7 +53,11 @@ def test_the_gpu_checks_hf_part_runs_in_its_cpu_smoke_mode(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     part = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]["hf"]
     assert part["status"] == "ok" and part["dtype"] == "fp32"
+    import transformers  # the report names the transformers that ran (the accelerator machine may have its own)
+
+    assert part["transformers"] == transformers.__version__
     (row,) = part["rows"]
     assert row["V"] == 500 and set(row["ratios"]) >= {"ce_time_vs_stock", "agg_time_vs_stock"}
     markdown = (tmp_path / "gpu_check.md").read_text()
     assert "## 5. Hugging Face" in markdown and "| stock | " in markdown and "| agg | " in markdown
+    assert f"transformers {transformers.__version__}" in markdown

@@ -258,6 +258,28 @@ def test_missing_bundle_is_reported(tmp_path):
     assert install["status"] == "error" and "scripts/device/prepare.sh" in install["note"]
 
 
+def test_an_install_without_scikit_learn_stops_before_installing_anything(tmp_path):
+    """The bundle no longer carries scikit-learn and scipy (the accelerator machine has both; fairseq
+    imports them): where they do not import, gpu_check.sh says so before pip or a build runs."""
+    bundle = tmp_path / "bundle"
+    (bundle / "sdist").mkdir(parents=True)
+    (bundle / "sdist" / "fairseq_fixed-0.12.3.1.tar.gz").write_bytes(b"not read before the check")
+    subprocess.run("sha256sum sdist/* > SHA256SUMS", shell=True, cwd=bundle, check=True)
+    (bundle / "INFO.txt").write_text("target: CPython %d.%d, manylinux x86-64\n" % sys.version_info[:2])
+    blocker = tmp_path / "site" / "sklearn"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('scikit-learn is not installed here')\n")
+    path = os.pathsep.join(p for p in (str(tmp_path / "site"), os.environ.get("PYTHONPATH")) if p)
+    out = tmp_path / "out"
+    proc = _run_sh(GPU_CHECK_SH, ["--install-only"], out, {"BUNDLE": str(bundle), "PYTHONPATH": path,
+                                                           "GPU_CHECK_ENV": str(tmp_path / "env")})
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    install = json.loads((out / "install.json").read_text())
+    assert install["status"] == "error" and "scikit-learn or scipy does not import" in install["note"]
+    log = (out / "gpu_check.log").read_text()
+    assert "pip could not install" not in log and "Processing" not in log and "fairseq-fixed" not in log
+
+
 def test_precisions_fairseq_cannot_train_at_are_named():
     # fairseq-fixed's options turn --bf16 into --tpu (a TPU-only path); the GPU check records that
     # instead of spending accelerator time on runs that fail

@@ -47,8 +47,9 @@ budget (``--deadline``), one module each:
 5. (``--parts hf``, not in the default parts: a run of its own) :mod:`.hf`: the Hugging Face path,
    one step of a one-layer ``LlamaForCausalLM`` (d = 2,048, 8,192 tokens, bf16) at V = 32,000 and
    128,256 with transformers' own loss against ``fairseq_agg.hf.apply(model, method="ce" / "agg")``
-   and Liger's fused linear cross-entropy (:mod:`benchmarks.hf`); skipped with the reason where
-   transformers does not import (the bundle of scripts/device/prepare.sh does not carry it).
+   and Liger's fused linear cross-entropy (:mod:`benchmarks.hf`): the machine's transformers 5.x
+   where it imports, else the one of the bundle of scripts/device/prepare.sh; skipped with the
+   reason where none imports. Why it is not a default part: :mod:`.plan`.
 
 The targets are rows of the one table (:mod:`benchmarks.targets`), judged by :mod:`.evaluate`.
 Writes ``gpu_check.json`` and ``gpu_check.md`` (:mod:`.markdown`) into ``--out`` after every part.

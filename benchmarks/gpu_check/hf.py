@@ -2,9 +2,12 @@
 training step of a small ``LlamaForCausalLM`` with transformers' own loss on the materialised
 logits against ``fairseq_agg.hf.apply(model, method="ce")`` and ``"agg"``, and Liger-Kernel's fused
 linear cross-entropy beside them where it imports; step time and peak memory at the vocabularies of
-Llama 2 and 3 (:mod:`benchmarks.hf`, the same code as ``python -m scripts.bench_hf``). Without
-transformers (the accelerator bundle does not carry it) the part is skipped with the reason."""
+Llama 2 and 3 (:mod:`benchmarks.hf`, the same code as ``python -m scripts.bench_hf``). On the
+accelerator machine gpu_check.sh uses the machine's transformers 5.x where it imports, else installs
+the bundle's (scripts/device/prepare.sh); the version that ran is recorded. Without a transformers
+that imports, the part is skipped with the reason. Why it is not a default part: :mod:`.plan`."""
 import argparse
+import sys
 
 import torch
 
@@ -22,5 +25,6 @@ def part_hf(plan: Plan, device: torch.device):
                                  dtype=dtype, warmup=plan.warmup, repeats=plan.repeats, seed=0, verbose=False,
                                  device=device.type)
     report = hf.run(options, log=lambda message: None)
-    report["markdown"] = hf.markdown(report["rows"])
+    report["transformers"] = sys.modules["transformers"].__version__
+    report["markdown"] = f"transformers {report['transformers']}\n\n" + hf.markdown(report["rows"])
     return report

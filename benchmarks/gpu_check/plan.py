@@ -39,7 +39,12 @@ class Plan:
     # 4. statistics
     stats_shape: tuple
     stats_repeats: int
-    # 5. the Hugging Face path (part hf): vocabularies; (hidden size, layers, tokens per row, tokens, dtype)
+    # 5. the Hugging Face path (part hf): vocabularies; (hidden size, layers, tokens per row, tokens, dtype).
+    # Not a default part: the default parts fill gpu_check.sh's 470 s (the install with fairseq's build,
+    # about 200 s, then the output layer and the training part, which takes what time is left), and this
+    # part pays the compilations of its own chunk bodies (ce and agg at each vocabulary) and a model of
+    # 128,256 x 2,048 embeddings: about 1.5-3 min on a GPU (an estimate: it has not run on one yet). So
+    # it is a device call of its own, `bash scripts/device/gpu_check.sh -- --parts hf` (about 7 min).
     hf_vocabs: tuple
     hf_shape: tuple
 

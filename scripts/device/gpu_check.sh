@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The accelerator check as one command on the accelerator machine: a copy of this working tree,
-# Python 3.12 with a CUDA build of torch, Triton, numpy, sentencepiece and sacrebleu, no fairseq and
-# no network. Installs the bundle that scripts/device/prepare.sh made here (offline: only the
-# bundle and what the machine already has), builds fairseq against the torch there, installs this
-# package from the working tree, then runs `python -m scripts.gpu_check` from the root (the four
-# parts are benchmarks/gpu_check/, one module each). All of it, the install included, fits in --budget-s.
+# Python 3.12 with a CUDA build of torch, Triton, numpy, scipy, scikit-learn, sentencepiece and
+# sacrebleu, no fairseq and no network. Installs the bundle that scripts/device/prepare.sh made here
+# (offline: only the bundle and what the machine already has), builds fairseq against the torch
+# there, installs this package from the working tree, then runs `python -m scripts.gpu_check` from
+# the root (the parts are benchmarks/gpu_check/, one module each). All of it, the install included,
+# fits in --budget-s.
+# The Hugging Face path (part 5) takes a run of its own, `-- --parts hf` (benchmarks/gpu_check/plan.py
+# says why): it uses the machine's transformers 5.x where that imports, else the bundle's.
 #
 # Usage: bash scripts/device/gpu_check.sh [--cpu-smoke] [--install-only] [--budget-s S] [-- ARGS]
 #   --cpu-smoke     tiny shapes on the CPU in the current Python environment, nothing installed (CI)
@@ -34,7 +37,7 @@ while [[ $# -gt 0 ]]; do
       fi
       shift 2 ;;
     --) shift; passthrough=("$@"); break ;;
-    -h|--help) sed -n '2,19p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1 (allowed: --cpu-smoke, --install-only, --budget-s S, -- ARGS)" >&2
        exit 2 ;;
   esac
@@ -96,6 +99,8 @@ development machine and carry .device_bundle"
   echo "[gpu_check.sh] installing into $("$py" -c 'import sys; print(sys.prefix)')"
   "$py" -c "import torch, numpy; print('[gpu_check.sh] torch', torch.__version__, 'CUDA', torch.version.cuda, \
 'available', torch.cuda.is_available(), '| numpy', numpy.__version__)" || fail_install "torch or numpy missing"
+  "$py" -c "import sklearn.metrics, scipy.stats" \
+    || fail_install "scikit-learn or scipy does not import here: fairseq imports both, and the bundle does not carry them"
   for m in triton sentencepiece sacrebleu; do
     "$py" -c "import $m" 2>/dev/null || echo "[gpu_check.sh] warning: $m is not installed here"
   done
@@ -129,9 +134,18 @@ assert m.version('fairseq-fixed') == '0.12.3.1'" 2>/dev/null; then
     || fail_install "installing fairseq-agg from $root failed"
   "$py" -c "import fairseq, fairseq_cli.train, fairseq_agg, fairseq.data.data_utils_fast" \
     || fail_install "fairseq or fairseq_agg does not import after the install"
-  # the optional baselines one by one: one that fails to install or import is recorded as skipped
+  # the optional baselines one by one: one that fails to install or import is recorded as skipped;
+  # transformers only where the machine has no 5.x that imports (installing it would upgrade the
+  # machine's huggingface_hub, which its accelerate and Liger's transformers module also import)
+  hf_usable="import transformers, fairseq_agg.hf; from transformers import LlamaConfig, LlamaForCausalLM; \
+assert transformers.__version__.split('.')[0] == '5', transformers.__version__"
   while read -r req; do
     [[ -n "$req" ]] || continue
+    if [[ "$req" == transformers==* ]] && "$py" -c "$hf_usable" 2>/dev/null; then
+      echo "[gpu_check.sh] transformers $("$py" -c 'import transformers; print(transformers.__version__)') is here:" \
+        "part 5 uses it, the bundle's $req is not installed"
+      continue
+    fi
     "$py" -m pip install --no-index --find-links "$bundle/wheels" "$req" \
       || echo "[gpu_check.sh] warning: $req did not install here"
   done < "$bundle/requirements-optional.txt"
@@ -139,6 +153,8 @@ assert m.version('fairseq-fixed') == '0.12.3.1'" 2>/dev/null; then
     || echo "[gpu_check.sh] warning: Liger-Kernel is not usable here; its baseline will be recorded as skipped"
   "$py" -c "import cut_cross_entropy" \
     || echo "[gpu_check.sh] warning: cut-cross-entropy is not usable here; its baseline will be recorded as skipped"
+  "$py" -c "$hf_usable" \
+    || echo "[gpu_check.sh] warning: no usable transformers 5.x here; part 5 (-- --parts hf) will be recorded as skipped"
   write_install_json ok "into $("$py" -c 'import sys; print(sys.prefix)'), $("$py" -m pip --version | cut -d' ' -f1-2)"
   echo "[gpu_check.sh] install done in $(( $(date +%s) - t0 )) s"
 fi

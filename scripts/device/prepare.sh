@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Prepares, here (where the package registry is reachable), everything that the accelerator machine
 # lacks for scripts/device/gpu_check.sh: that machine has Python 3.12, a CUDA build of torch,
-# Triton, numpy, sentencepiece and sacrebleu, but no fairseq and no network.
+# Triton, numpy, scipy, scikit-learn, sentencepiece and sacrebleu (and a transformers 5.x), but no
+# fairseq and no network.
 #
 # Writes the git-ignored bundle folder (default .device_bundle/ at the repository root):
 #   wheels/            CPython wheels for the target Python on manylinux x86-64 (or pure-Python ones)
 #   sdist/             the fairseq-fixed source release, built there against the torch there
 #   requirements.txt   what gpu_check.sh installs from wheels/ (exact versions)
-#   requirements-optional.txt  the same for the optional baselines (Liger-Kernel, cut-cross-entropy):
-#                      a download that fails here, or an install that fails there, is not fatal
+#   requirements-optional.txt  the same for the optional baselines (Liger-Kernel, cut-cross-entropy)
+#                      and the Hugging Face path (transformers, for part 5: `-- --parts hf`; its
+#                      dependencies are in wheels/): a download that fails here, or an install that
+#                      fails there, is not fatal
 #   SHA256SUMS         checked by gpu_check.sh before it installs anything
 #   INFO.txt           target Python, date, sizes
 # This package itself is not bundled: gpu_check.sh runs in a copy of the working tree and installs
@@ -27,13 +30,14 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 pyver="3.12"
 dest="$root/.device_bundle"
-max_mib=60
+# the device call carries the working tree (about 5 MiB) and this bundle together, 64 MiB at most
+max_mib=52
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --python-version) pyver="${2:?--python-version needs a value such as 3.12}"; shift 2 ;;
     --dest) dest="${2:?--dest needs a folder}"; shift 2 ;;
-    -h|--help) sed -n '2,25p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,28p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "prepare.sh: unknown argument $1 (allowed: --python-version X.Y, --dest DIR)" >&2; exit 2 ;;
   esac
 done
@@ -50,8 +54,9 @@ abi="cp${pyver/./}"
 
 # Wheels for the target interpreter (compiled for its ABI, or pure): fairseq's import-time needs
 # (hydra-core and omegaconf at fairseq's pinned versions, PyYAML for omegaconf, bitarray, regex,
-# tqdm; scikit-learn with scipy, joblib and threadpoolctl because fairseq's task registry imports
-# sklearn), and packaging (for Liger-Kernel). scipy 1.16.3 works with numpy 1.25.2-2.5.
+# tqdm), and packaging (for Liger-Kernel). fairseq also imports scikit-learn and scipy (its task and
+# criterion registries): not bundled (43 MiB, which the 64 MiB transfer cannot hold beside the rest),
+# as the machine has both; gpu_check.sh stops with a one-line reason where they do not import.
 BINARY=(
   "hydra-core==1.3.2"
   "omegaconf==2.3.0"
@@ -60,15 +65,22 @@ BINARY=(
   "regex==2026.11.19"
   "tqdm==4.70.1"
   "packaging==26.4"
-  "scipy==1.16.3"
-  "scikit-learn==1.7.2"
-  "joblib==1.5.2"
-  "threadpoolctl==3.8.0"
 )
 # Optional: the baselines gpu_check.sh installs one by one (they need the Triton there; without it
 # the check records them as skipped instead of failing the install). Each is downloaded on its own,
 # and one that cannot be is left out of the bundle with a warning.
 OPTIONAL=("liger-kernel==0.8.5" "cut-cross-entropy==25.1.1")
+# Optional, the Hugging Face path (part 5): transformers at the version scripts/setup_env.sh installs
+# here, with everything pip's resolver needs there to install it offline: what it imports
+# (tokenizers, safetensors, huggingface_hub, kernels and their own needs) and huggingface_hub's
+# requirements for hub downloads (hf-xet, click, fsspec, filelock), which that machine never makes
+# but pip still asks for. typer (transformers' command line only) is left to the machine, which has
+# one (typer 0.29 would bring pydantic and rich). One group: all of it is downloaded, or none of it.
+# gpu_check.sh installs it only where the machine has no transformers 5.x that imports.
+HF_TOP="transformers==5.25.0"
+HF_DEPS=("tokenizers==0.23.3" "safetensors==0.8.0" "huggingface_hub==2.4.0" "kernels==0.19.1" "tomlkit==0.15.3"
+  "httpx2==2.17.0" "httpcore2==2.17.0" "truststore==0.10.5" "anyio==4.16.0" "h11==0.16.0" "idna==3.21"
+  "typing-extensions==4.16.0" "hf-xet==1.8.0" "click==8.5.1" "fsspec==2026.9.0" "filelock==4.3.2")
 # Pure-Python distributions: the runtime omegaconf pins (published as a source release only, so it
 # is turned into a wheel here) and Cython, which fairseq's build needs for its two .pyx modules
 # (the pure-Python Cython wheel is a third of the size of the compiled one and works on any Python).
@@ -98,6 +110,17 @@ for req in "${OPTIONAL[@]}"; do
     echo "[prepare] warning: could not download $req; the check will record it as skipped" >&2
   fi
 done
+echo "[prepare] the Hugging Face path: $HF_TOP and its dependencies"
+mkdir -p "$work/hf"
+if "$py" -m pip download --disable-pip-version-check --no-deps --dest "$work/hf" "${target[@]}" \
+    "$HF_TOP" "${HF_DEPS[@]}"; then
+  mv "$work"/hf/*.whl "$work/wheels/"
+  optional_ok+=("$HF_TOP")
+else
+  echo "[prepare] warning: could not download the Hugging Face group; part 5 will use the machine's transformers" \
+    "or be recorded as skipped" >&2
+fi
+rm -rf "$work/hf"
 echo "[prepare] pure-Python wheels"
 "${pip_dl[@]}" --only-binary=:all: --implementation py --python-version "$pyver" --abi none --platform any \
   "${PURE_WHEEL[@]}" "$SETUPTOOLS_WHEEL"
@@ -107,12 +130,13 @@ echo "[prepare] $FAIRSEQ source release"
 "$py" -m pip download --disable-pip-version-check --no-deps --no-binary=:all: --no-build-isolation \
   --dest "$work/sdist" "$FAIRSEQ"
 
-# Every wheel must be installable on the target: pure (py3/none/any) or for this CPython ABI.
+# Every wheel must be installable on the target: pure (py3/none/any), for this CPython ABI, or for
+# the stable ABI (abi3: tokenizers, safetensors, hf-xet).
 bad=""
 for f in "$work"/wheels/*.whl; do
   tags="${f##*/}"; tags="${tags%.whl}"
   case "$tags" in
-    *-none-any|*-"$abi"-"$abi"-manylinux*) ;;
+    *-none-any|*-"$abi"-"$abi"-manylinux*|*-cp3*-abi3-manylinux*) ;;
     *) bad+=" ${f##*/}" ;;
   esac
 done
