@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from fairseq_runs import TINY_LM_ARGS, USER_DIR, eager_unless_named, fairseq_bin, file_digests as digests, run_cli
+from planted_pickle import RunsCodeWhenUnpickled
 
 
 def train_args(data, save_dir, max_update, extra=()):
@@ -144,16 +145,6 @@ def test_a_checkpoint_save_that_runs_out_of_room_is_one_line_and_leaves_nothing(
     assert resumed["optimizer_history"][-1]["num_updates"] == 24
     for key, value in straight["model"].items():
         assert torch.equal(value, resumed["model"][key]), key
-
-
-class RunsCodeWhenUnpickled:
-    """What a planted checkpoint*.pt may hold: unpickling it calls os.mkdir(marker)."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.mkdir, (self.marker,)
 
 
 def test_ranking_the_checkpoints_for_the_advice_never_runs_their_code(tmp_path):

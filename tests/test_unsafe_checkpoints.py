@@ -17,16 +17,7 @@ import torch
 import fairseq_runs
 from fairseq_runs import TINY_LM_ARGS, TINY_MT_ARGS, USER_DIR
 from in_process import fairseq_agg_analyze, fairseq_agg_command, fairseq_train, run_in_process
-
-
-class RunsCodeWhenUnpickled:
-    """What a planted checkpoint may hold: unpickling it calls os.mkdir(marker)."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.mkdir, (self.marker,)
+from planted_pickle import RunsCodeWhenUnpickled
 
 
 @pytest.fixture
