@@ -162,6 +162,8 @@ def tail_runs(budget) -> Runs:
     out.append(("freeze-pu", _variant(M["freeze"], "freezing of AGG's per-update rare set (alpha 0.03)",
                                       M["freeze"]["args"] + PER_UPDATE), model, flags,
                 {"method": "freeze", "alpha": TAIL_ALPHA, "threshold_mode": "per-update"}))
+    # last, so that the earlier runs keep their styles in the figures
+    out.append(("antifocal", M["antifocal"], model, flags, {"method": "antifocal"}))
     return out
 
 
@@ -251,9 +253,11 @@ BUDGET = {  # the budgets of each part (Part.budget)
     "mt": {
         "smoke": dict(mt_demo.BUDGET["quick"], updates=12, model=mt_demo.MODEL["quick"],
                       methods=["baseline", "agg", "mlra"]),
-        # six runs of ~20 minutes, two at a time: MLRA (another 20-30 minutes per seed) does not fit
-        # the part's hour; the MT demo trains it (--methods mlra)
-        "default": dict(mt_demo.BUDGET["default"], model=mt_demo.MODEL["default"], methods=["baseline", "agg"]),
+        # six runs of ~20 minutes, two at a time, and the other two rare-word remedies on the first
+        # seed (MT_ONE_SEED): MLRA (another 20-30 minutes per seed) does not fit; the MT demo trains
+        # it (--methods mlra)
+        "default": dict(mt_demo.BUDGET["default"], model=mt_demo.MODEL["default"],
+                        methods=["baseline", "agg", "face", "antifocal"]),
     },
     "tail": {
         # a validation every other update (two in the last fifth, for the convergence line), each of
@@ -264,7 +268,9 @@ BUDGET = {  # the budgets of each part (Part.budget)
 }
 # The tail part's runs of one seed (the first of --seeds); the others have every seed.
 TAIL_ONE_SEED = ("agg-a0.09", "agg-a0.01", "cosreg", "face", "ul", "al", "agg+coupled-adam",
-                 "agg-pu-a0.09", "agg-pu-a0.01", "freeze-pu")
+                 "agg-pu-a0.09", "agg-pu-a0.01", "freeze-pu", "antifocal")
+# The MT part's runs of one seed (the first of --seeds).
+MT_ONE_SEED = ("face", "antifocal")
 
 PARTS = {p.name: p for p in (
     Part("lm", LM, lm_runs, BUDGET["lm"], seeds=(1, 2, 3), log_lines=20, evaluate=E.evaluate_lm,
@@ -279,7 +285,7 @@ PARTS = {p.name: p for p in (
          columns=C.depth_columns, notes=C.DEPTH_NOTES, by_depth=True,
          report=(R.convergence_line, R.spike_line, R.learning_curves, R.depth_figure)),
     Part("mt", MT, mt_runs, BUDGET["mt"], seeds=(1, 2, 3), log_lines=10, evaluate=E.evaluate_mt,
-         columns=C.mt_columns, notes=C.MT_NOTES, report=(R.learning_curves,)),
+         columns=C.mt_columns, notes=C.MT_NOTES, one_seed_runs=MT_ONE_SEED, report=(R.learning_curves,)),
     # more train_inner lines for the curve of AGG's rare set; its own section draws its learning curves
     Part("tail", TAIL, tail_runs, BUDGET["tail"], seeds=(1, 2, 3), log_lines=30, evaluate=T.evaluate,
          columns=TT.columns, notes=TT.NOTES, one_seed_runs=TAIL_ONE_SEED, uniq=True, groupings=T.GROUPINGS,

@@ -36,6 +36,11 @@ CLAIMS = (
     ("AGG has a lower PPL than UL (same)", "agg", "test_ppl", "down", "ul"),
     ("FACE raises diversity, Uniq (Jiang et al., WWW 2019)", "face", "uniq", "up", "baseline"),
     ("Token-level unlikelihood raises diversity, Uniq (Welleck et al., ICLR 2020)", "ul", "uniq", "up", "baseline"),
+    ("The anti-focal loss lowers the rare group's PPL (Raunak et al., Findings of EMNLP 2020: a rare-word remedy "
+     "for NMT; no LM claim)", "antifocal", "test_ppl_rare", "down", "baseline"),
+    ("… at about equal test PPL (same paper, for BLEU)", "antifocal", "test_ppl", "same", "baseline"),
+    ("AGG lowers the rare group's PPL more than the anti-focal loss (no claim)", "agg", "test_ppl_rare", "down",
+     "antifocal"),
     # at AGG's own operating point: the released per-update rule at alpha 0.03 (a rare type is a
     # target in at most 3 % of the updates, as in the paper's run; docs/agg.md, "The operating point")
     ("At the paper's operating point (per-update rule): AGG raises I(W) (Yu et al. 2022, main table)", "agg-pu",

@@ -15,7 +15,7 @@ from study.tail import GROUPINGS, PAPER_TYPES
 PANELS = (("AGG, its threshold, freezing", ("baseline", "agg", "agg-a0.09", "agg-a0.01", "freeze", "agg+coupled-adam")),
           ("AGG's operating point: the per-update rule, Table 1's freezing",
            ("baseline", "agg-pu", "agg-pu-a0.09", "agg-pu-a0.01", "freeze-pu", "freeze-group")),
-          ("other remedies", ("baseline", "coupled-adam", "al", "cosreg", "face", "ul")))
+          ("other remedies", ("baseline", "coupled-adam", "al", "cosreg", "face", "ul", "antifocal")))
 
 
 def tail_styles(names):

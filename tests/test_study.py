@@ -713,7 +713,13 @@ def test_lm_parts_decay_the_learning_rate_to_zero_and_the_mt_part_trains_the_dem
         spec = P.run_specs(P.PARTS[part], "default", [1])[0]
         assert spec.train_flags == flags
     mt = P.run_specs(P.PARTS["mt"], "default", [1, 2, 3])
-    assert [s.run_id for s in mt] == ["baseline-s1", "agg-s1", "baseline-s2", "agg-s2", "baseline-s3", "agg-s3"]
+    # FACE and the anti-focal loss, the other rare-word remedies, on the first seed only
+    assert [s.run_id for s in mt] == ["baseline-s1", "agg-s1", "face-s1", "antifocal-s1", "baseline-s2", "agg-s2",
+                                      "baseline-s3", "agg-s3"]
+    criterion = {s.name: s.train_command(P.BUDGET["mt"]["default"], 3000, "D", "R", True) for s in mt}
+    for name, expected in (("face", "cross_entropy_face"), ("antifocal", "cross_entropy_antifocal")):
+        c = criterion[name]
+        assert c[c.index("--criterion") + 1] == expected and c[c.index("--label-smoothing") + 1] == "0.1"
     assert all(s.train_flags == tuple(P.mt_demo.COMMON_TRAIN) for s in mt)
 
 

@@ -80,6 +80,8 @@ METHODS = {
              "name": "FACE (frequency-aware CE)", "what": "frequency-aware CE, pre-weighting of argmax counts (Jiang et al. 2019)"},
     "ul": {"criterion": "cross_entropy_unlikelihood", "arch": "transformer_lm_gpt", "args": [],
            "name": "token-level unlikelihood", "what": "CE + token-level unlikelihood, alpha 1 (Welleck et al. 2020)"},
+    "antifocal": {"criterion": "cross_entropy_antifocal", "arch": "transformer_lm_gpt", "args": ["--antifocal-gamma", "1"],
+                  "name": "anti-focal loss", "what": "CE weighted by (1 + p_t)^gamma, gamma 1 (Raunak et al. 2020)"},
     # an optimizer instead of a criterion (docs/coupled_adam.md); not in the default list either
     # weight decay as its authors run it: the coupled embedding and the 1-D parameters undecayed
     "coupled-adam": {"criterion": "cross_entropy", "arch": "transformer_lm_gpt", "optimizer": "coupled_adam",

@@ -54,13 +54,21 @@ COMMON_TRAIN = [
 LS = ["--label-smoothing", "0.1"]
 METHODS = {
     "baseline": {"criterion": "label_smoothed_cross_entropy", "arch": "transformer", "args": LS,
-                 "what": "stock label-smoothed CE (eps 0.1)"},
+                 "name": "baseline (label-smoothed cross-entropy)", "what": "stock label-smoothed CE (eps 0.1)"},
     "agg": {"criterion": "cross_entropy_agg", "arch": "transformer", "args": LS + ["--agg-alpha", "0.08"],
+            "name": "AGG (adaptive gradient gating)",
             "what": "AGG, label smoothing 0.1, alpha 0.08 (the AGG paper's MT setting)"},
     "mlra": {"criterion": "label_smoothed_cross_entropy", "arch": "transformer_mlra", "args": LS,
-             "what": "label-smoothed CE on the MLRA transformer (low-rank Q/K/V)"},
+             "name": "MLRA (low-rank attention)", "what": "label-smoothed CE on the MLRA transformer (low-rank Q/K/V)"},
     "agg+mlra": {"criterion": "cross_entropy_agg", "arch": "transformer_mlra", "args": LS + ["--agg-alpha", "0.08"],
-                 "what": "AGG on the MLRA transformer"},
+                 "name": "AGG + MLRA", "what": "AGG on the MLRA transformer"},
+    # rare-word remedies beside AGG (docs/baselines.md); not in the default list
+    "face": {"criterion": "cross_entropy_face", "arch": "transformer", "args": LS,
+             "name": "FACE (frequency-aware CE)",
+             "what": "frequency-aware CE, pre-weighting of argmax counts, label smoothing 0.1 (Jiang et al. 2019)"},
+    "antifocal": {"criterion": "cross_entropy_antifocal", "arch": "transformer", "args": LS + ["--antifocal-gamma", "1"],
+                  "name": "anti-focal loss",
+                  "what": "CE weighted by (1 + p_t)^gamma, gamma 1, label smoothing 0.1 (Raunak et al. 2020)"},
 }
 DEFAULT_METHODS = ["baseline", "agg"]  # two lanes: one round of runs
 
