@@ -16,7 +16,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 from fairseq_agg.ops import (
-    FaceWeights, FrozenRows, LossRequest, agg_gates, build_teacher, fused_linear_loss, output_chunk, output_kernel,
+    FaceWeights, FrozenRows, LossRequest, agg_gates, body_runner, build_teacher, fused_linear_loss, output_kernel,
     unlikelihood_candidates,
 )
 from fairseq_agg.ops.fused_linear_loss import chunk_bounds
@@ -170,7 +170,7 @@ def _own_compiled_bodies():
     """Compiled bodies and gate passes of this test's own (new code objects, so Dynamo compiles them afresh and
     counts their graphs), without resetting Dynamo or dropping the bodies the rest of the process
     compiled: those are put back afterwards, so no later test compiles them again."""
-    caches = (output_chunk._compiled, output_chunk._compiled_in_place)
+    caches = (body_runner._compiled, body_runner._compiled_in_place)
     kept = [dict(cache) for cache in caches]
     for cache in caches:
         cache.clear()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fairseq_agg.errors import UsageError
-from fairseq_agg.ops import LossRequest, agg_gates, fused_linear_loss, output_chunk, output_kernel
+from fairseq_agg.ops import LossRequest, agg_gates, body_runner, fused_linear_loss, output_kernel
 from fairseq_runs import TINY_LM_ARGS, read_json_log, run_cli
 from reference_constructions import gate_matrix
 from zloss_plugin.term import ZLoss
@@ -94,14 +94,14 @@ def test_the_toy_term_compiles_into_the_one_kernel_of_its_plan():
 
     hidden, weight, target, _ = problem(torch.bfloat16)
     request = LossRequest(0.1, chunk_size=CHUNK, kernel="compiled").with_terms(ZLoss(COEF))
-    kept = dict(output_chunk._compiled)
-    output_chunk._compiled.clear()
+    kept = dict(body_runner._compiled)
+    body_runner._compiled.clear()
     try:
         with torch._inductor.config.patch(fx_graph_cache=False):
             _, codes = run_and_get_code(lambda: fused_linear_loss(hidden, weight, target, request).loss.backward())
     finally:
-        output_chunk._compiled.clear()
-        output_chunk._compiled.update(kept)
+        body_runner._compiled.clear()
+        body_runner._compiled.update(kept)
     assert len(codes) == 1
     assert len(set(re.findall(r"\b(cpp_fused_\w+)\(", codes[0]))) == 1
 

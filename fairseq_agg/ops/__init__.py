@@ -11,7 +11,7 @@ fairseq flag. Usage: docs/api.md.
 * the output layer: :func:`fused_linear_loss` with a :class:`LossRequest`, returning a
   :class:`LossResult` (chunked, fp32 softmax, no tokens x V tensor); the methods join it as
   terms (:class:`Term`, one of three roles: :data:`ADDS_LOSS`, :data:`WEIGHTS_ROWS`, :data:`GATES_DW`;
-  :mod:`fairseq_agg.ops.output_chunk`), whose tile function sees a :class:`Tile` (the logits, the
+  :mod:`fairseq_agg.ops.term`), whose tile function sees a :class:`Tile` (the logits, the
   body's cross-entropy, the target's log-probability, the smoothed targets; :func:`cross_entropy`
   and :func:`cross_entropy_grad` are the body's own);
 * the methods, each an object that validates its arguments at construction: :class:`AggLoss`
@@ -31,7 +31,8 @@ from .counting import CumulativeCounts, RareTokenWindow, target_histogram
 from .face import FaceLoss, FaceWeights, face_post_weights, face_token_weights
 from .freezing import FrozenRows, RareFreezing, frozen_rare_rows
 from .fused_linear_loss import LossRequest, LossResult, fused_linear_loss
-from .output_chunk import ADDS_LOSS, GATES_DW, WEIGHTS_ROWS, Term, TermOut, Tile, cross_entropy, cross_entropy_grad
+from .output_chunk import Tile, cross_entropy, cross_entropy_grad
+from .term import ADDS_LOSS, GATES_DW, WEIGHTS_ROWS, Term, TermOut
 from .unlikelihood import UnlikelihoodCandidates, UnlikelihoodLoss, unlikelihood_candidates
 
 __all__ = [

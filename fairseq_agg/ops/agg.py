@@ -5,7 +5,7 @@
   (:class:`~fairseq_agg.ops.counting.RareTokenWindow`, the paper's dynamic rare-token grouping;
   docs/agg.md (A1)) and turns it into the gates of every training micro-batch;
 * :func:`agg_gates` is that step: the rare group and the gate vectors g1, g2 (docs/agg.md (A2)-(A4));
-* :class:`TokenGates` is AGG's term of the fused output layer (:class:`~fairseq_agg.ops.output_chunk.Term`):
+* :class:`TokenGates` is AGG's term of the fused output layer (:class:`~fairseq_agg.ops.term.Term`):
   the gate factor on a chunk of the logit gradient (docs/agg.md (A5)), with which the chunk body
   forms dH from the un-gated gradient and dW from the gated one (A6); the same gate in place after
   dH (on a CPU); and on another fused cross-entropy, the gated dW by algebra (docs/agg.md, "AGG on
@@ -31,7 +31,7 @@ from .agg_threshold import (
 from .counting import CountsPerUpdate, RareTokenWindow
 from .foreign_kernels import ForeignRows, target_and_summed_logits
 from .fused_linear_loss import LossRequest, LossResult, fused_linear_loss
-from .output_chunk import GATES_DW, Term, TermOut
+from .term import GATES_DW, Term, TermOut
 
 G2_EPS = 1e-7  # the released code's guard in c_k / (mean_R c + eps)
 

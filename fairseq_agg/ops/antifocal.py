@@ -17,7 +17,7 @@ whole label-smoothed row loss of fairseq, loss = w * CE_eps, with w still from p
 gradient is that loss's exact derivative in either reading (Q the smoothed target).
 
 :class:`AntiFocalWeights` is the fused output layer's term that weights rows
-(:class:`fairseq_agg.ops.output_chunk.Term`): it gives the factor and, in the formula's reading,
+(:class:`fairseq_agg.ops.term.Term`): it gives the factor and, in the formula's reading,
 its derivative ``slope``; the chunk body forms the rows x V gradient. :class:`AntiFocalLoss` is the
 method for a training loop.
 """
@@ -29,7 +29,7 @@ import torch
 from fairseq_agg.errors import check_number
 
 from .fused_linear_loss import LossRequest, LossResult, fused_linear_loss
-from .output_chunk import WEIGHTS_ROWS, Term, TermOut
+from .term import WEIGHTS_ROWS, Term, TermOut
 
 
 @dataclass

@@ -7,7 +7,7 @@
 * :func:`aug_scale_factor`: s(tau);
 * :func:`build_teacher`: the *detached* teacher y~, built once per unique target type of a batch
   (it depends on the type only), as a :class:`TeacherTargets`, the term
-  (:class:`fairseq_agg.ops.output_chunk.Term`) that the fused output layer's chunk body evaluates on each logit
+  (:class:`fairseq_agg.ops.term.Term`) that the fused output layer's chunk body evaluates on each logit
   tile (:mod:`fairseq_agg.ops.output_chunk`);
 * :func:`augmented_kl_direct`: the *non-detached* variant, where gradients also flow into E
   through y~, as its own chunked autograd Function (summed, or per token);
@@ -24,7 +24,7 @@ from fairseq_agg.errors import UsageError, check_choice, check_integer, check_nu
 from .fused_linear_loss import (
     LossRequest, LossResult, block_rows, check_output_layer_inputs, fused_linear_loss, loss_dtype,
 )
-from .output_chunk import ADDS_LOSS, Term, TermOut
+from .term import ADDS_LOSS, Term, TermOut
 
 SCALES = ("none", "tau", "tau2")
 MASKED_LOGIT = -1e30

@@ -14,7 +14,7 @@ The counts are of the model's argmax predictions (``out``, the code's default) o
 (``gt``), over the whole run (the code's) or a sliding window of updates. With no counts yet
 (sum f = 0) every weight is 1.
 
-:class:`FaceWeights` is FACE's term of the fused output layer (:class:`fairseq_agg.ops.output_chunk.Term`), which
+:class:`FaceWeights` is FACE's term of the fused output layer (:class:`fairseq_agg.ops.term.Term`), which
 the chunk body evaluates on each logit tile: one scalar per row, folded into the row's loss and
 logit gradient (the layer returns each row's argmax for ``out`` counting). :class:`FaceLoss` owns the counts and puts
 the pieces together for one training micro-batch.
@@ -28,7 +28,7 @@ from fairseq_agg.errors import UsageError, check_choice, check_integer
 
 from .counting import CountsPerUpdate, CumulativeCounts, RareTokenWindow, check_window, counted_ids  # noqa: F401
 from .fused_linear_loss import LossRequest, LossResult, fused_linear_loss
-from .output_chunk import WEIGHTS_ROWS, Term, TermOut
+from .term import WEIGHTS_ROWS, Term, TermOut
 
 WEIGHINGS = ("pre", "post")
 FREQUENCIES = ("out", "gt")

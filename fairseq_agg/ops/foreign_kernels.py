@@ -5,7 +5,7 @@
 Liger-Kernel's fused linear cross-entropy (``liger``) or Apple's cut-cross-entropy (``cce``). Each
 computes (label-smoothed) cross-entropy and its gradients without a tokens x V tensor, per row.
 
-A term that gates dW can still run on them where it says how (:class:`fairseq_agg.ops.output_chunk.Term`):
+A term that gates dW can still run on them where it says how (:class:`fairseq_agg.ops.term.Term`):
 it splits the rows into sets (``foreign_row_classes``), the kernel runs on each set apart, and the
 term forms its gated dW from the un-gated dW of each set (``foreign_grad_weight``; AGG's algebra:
 docs/agg.md, "AGG on another kernel", in :mod:`fairseq_agg.ops.agg`); a gate on the summed dW

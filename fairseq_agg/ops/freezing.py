@@ -4,7 +4,7 @@ tokens get no gradient at all (docs/baselines.md, "Rare-token freezing"); pure t
 It is AGG's gating with g1 = g2 = 0 on the rare group *and* its own column zeroed too, i.e. the
 whole rows of dW of those tokens are zero. The fused output layer does it once per micro-batch,
 after its chunk loop: :class:`FrozenRows` is a term that gates the summed dW
-(:class:`fairseq_agg.ops.output_chunk.Term`), the same on this package's kernel and on a foreign one.
+(:class:`fairseq_agg.ops.term.Term`), the same on this package's kernel and on a foreign one.
 :class:`RareFreezing` is the method for a training loop; the fairseq criterion
 ``cross_entropy_agg --agg-freeze-rare`` is a thin user of it.
 """
@@ -15,7 +15,7 @@ import torch
 
 from fairseq_agg.errors import UsageError, check_choice, check_integer
 
-from .output_chunk import GATES_DW, Term
+from .term import GATES_DW, Term
 
 
 def frozen_rare_rows(vocab_size: int, gates=None, group: Optional[torch.Tensor] = None, device=None) -> torch.Tensor:

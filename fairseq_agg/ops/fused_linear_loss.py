@@ -9,7 +9,7 @@ request, and one result back:
 :class:`LossRequest` carries what is the same for a run (label smoothing in fairseq's convention:
 the target gets 1 - eps, every other entry eps / (V - 1); the chunk size; which kernel,
 :mod:`fairseq_agg.ops.output_kernel`) and, added per batch by :meth:`LossRequest.with_terms`, an
-ordered tuple of **terms** (:class:`fairseq_agg.ops.output_chunk.Term`): each adds a loss, weights rows, or gates
+ordered tuple of **terms** (:class:`fairseq_agg.ops.term.Term`): each adds a loss, weights rows, or gates
 dW, and is read here only through that one interface; the methods' modules import this one, never
 the other way round. :class:`LossResult` gives back the loss, the NLL and, by each term's name, the
 sums of the values it logs; ``per_token`` gives per-token losses (fairseq's ``reduce=False``).
@@ -38,9 +38,9 @@ import torch
 from fairseq_agg.errors import check_integer, check_number
 
 from .foreign_kernels import foreign_linear_loss
-from .output_chunk import (
-    ADDS_LOSS, GATES_DW, ROLES, BodyPlan, Term, TermPlan, add_columns, body_runner, smoothing_weights,
-)
+from .body_runner import body_runner
+from .output_chunk import BodyPlan, TermPlan, add_columns, smoothing_weights
+from .term import ADDS_LOSS, GATES_DW, ROLES, Term
 from .output_kernel import OutputKernel, foreign_refusal
 
 # --- the request and the result ----------------------------------------------------------------

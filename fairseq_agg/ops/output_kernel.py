@@ -13,7 +13,7 @@ The choice has two axes (:class:`OutputKernel`):
 The flag ``--output-kernel`` (and ``LossRequest(kernel=...)``) names one point of the two axes in
 one word, as it always has: a body (``auto``, ``eager``, ``compiled``) runs the package's loop, a
 foreign name its kernel. This module also checks a choice at start-up, says in one line what runs,
-and resolves ``auto`` on a device (the body itself runs in :mod:`fairseq_agg.ops.output_chunk`).
+and resolves ``auto`` on a device (the body itself runs in :mod:`fairseq_agg.ops.body_runner`).
 """
 import importlib
 import logging
@@ -69,7 +69,7 @@ class OutputKernel:
 
 
 def private_compile_settings():
-    """The two settings the compiled body patches (:class:`~fairseq_agg.ops.output_chunk.BodyRunner`),
+    """The two settings the compiled body patches (:class:`~fairseq_agg.ops.body_runner.BodyRunner`),
     from torch's private config modules, looked up only when the compiled path is asked for (they
     move between torch versions): (dynamo config, fx config), or the reason this torch lacks them."""
     try:

@@ -28,7 +28,7 @@ import torch
 from fairseq_agg.errors import check_integer, check_number
 
 from .fused_linear_loss import LossRequest, LossResult, fused_linear_loss
-from .output_chunk import ADDS_LOSS, Term, TermOut
+from .term import ADDS_LOSS, Term, TermOut
 
 DEFAULT_CLAMP = 1e-5
 
