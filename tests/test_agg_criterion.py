@@ -16,7 +16,7 @@ from fairseq.trainer import Trainer
 
 from fairseq_agg.criterions.agg import AggCriterion
 from reference_constructions import reference_output_loss
-from fairseq_runs import TINY_LM_ARGS, TINY_MT_ARGS, USER_DIR, read_json_log, run_cli
+from fairseq_runs import STRONG_GATING, TINY_LM_ARGS, TINY_MT_ARGS, USER_DIR, read_json_log, run_cli
 from fairseq_runs import build_parts as build
 from fairseq_runs import criterion_from_flags, non_pad_features
 from fairseq_runs import parse_config as parse
@@ -100,9 +100,6 @@ def compare_with_stock(model, agg, stock, sample, weight_name):
     torch.testing.assert_close(grads_a[weight_name][keep], grads_s[weight_name][keep], rtol=1e-4, atol=1e-6)
     assert not torch.allclose(grads_a[weight_name][gates.rare], grads_s[weight_name][gates.rare], atol=1e-6)
     return gates, grads_a
-
-
-STRONG_GATING = ["--agg-alpha", "2.5", "--agg-threshold-mode", "per-update", "--agg-g1-mode", "normalized"]
 
 
 def test_lm_logged_loss_and_gradients_match_stock_cross_entropy(lm_data_bin):

@@ -14,11 +14,10 @@ line naming it.
 import pytest
 import torch
 
-from fairseq_runs import TINY_LM_ARGS, TINY_MT_ARGS, USER_DIR, build_parts, first_batch, run_cli
+from fairseq_runs import STRONG_GATING, TINY_LM_ARGS, TINY_MT_ARGS, USER_DIR, build_parts, first_batch, run_cli
 from in_process import fairseq_train
 from reference_constructions import reference_output_loss
 
-STRONG_GATING = ["--agg-alpha", "2.5", "--agg-threshold-mode", "per-update", "--agg-g1-mode", "normalized"]
 SHRUNK = ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-conv-dim", "32", "--decoder-conv-dim", "32",
           "--encoder-kernel-size-list", "[3]", "--decoder-kernel-size-list", "[3]", "--weight-dropout", "0",
           "--attention-dropout", "0", "--relu-dropout", "0", "--input-dropout", "0"]

@@ -23,7 +23,7 @@ from fairseq.tasks.language_modeling import LanguageModelingConfig, LanguageMode
 from omegaconf import OmegaConf
 
 from fairseq_agg.errors import UsageError, plain_value
-from fairseq_runs import TINY_MT_ARGS, build_parts, criterion_from_flags
+from fairseq_runs import STRONG_GATING, TINY_MT_ARGS, build_parts, criterion_from_flags
 
 PLUGIN_CRITERIA = sorted(name for name, cls in CRITERION_REGISTRY.items() if cls.__module__.startswith("fairseq_agg."))
 
@@ -127,7 +127,6 @@ def test_every_flag_is_settable_through_argparse_and_hydra(name, tmp_path):
 
 MOE_ARGS = [a if a != "translation" else "translation_moe" for a in TINY_MT_ARGS] + ["--method", "hMoEup",
                                                                                     "--num-experts", "2"]
-STRONG_GATING = ["--agg-alpha", "2.5", "--agg-threshold-mode", "per-update", "--agg-g1-mode", "normalized"]
 
 
 @pytest.fixture(scope="module")

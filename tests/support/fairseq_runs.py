@@ -195,6 +195,11 @@ TINY_MT_ARGS = [
     "--cpu", "--num-workers", "0", "--log-interval", "1", "--no-progress-bar",
 ]
 
+# AGG flags that gate in the first update of the tiny runs: alpha 2.5 per update makes tokens seen
+# fewer than 3 times in that update rare (alpha > 1 needs the normalized g1 = a / alpha to keep
+# every gate <= 1)
+STRONG_GATING = ["--agg-alpha", "2.5", "--agg-threshold-mode", "per-update", "--agg-g1-mode", "normalized"]
+
 
 def read_json_log(stdout_and_stderr):
     """Parses the records of a --log-format json run: returns a list of dicts (train_inner etc.)."""
