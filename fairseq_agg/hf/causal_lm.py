@@ -151,9 +151,13 @@ class CausalLMMethod:
         return matrices + ([self._input_weight(f"cosreg_matrix={which!r}")] if which in ("input", "both") else [])
 
     # --- windows and their state
+    def _counting_methods(self) -> dict:
+        """{name: method} of the methods that count targets (AGG, FACE), present in this run."""
+        return {name: method for name, method in (("agg", self.agg), ("face", self.face)) if method is not None}
+
     def _counters(self) -> dict:
-        return {name: method for name, method in (("agg", self.agg), ("face", self.face))
-                if method is not None and hasattr(method.counter, "window")}
+        """The counting methods that keep a window of per-update counts."""
+        return {name: method for name, method in self._counting_methods().items() if hasattr(method.counter, "window")}
 
     def set_window(self, updates: int) -> None:
         """Sizes the windows left at 0 (auto: one epoch of updates, the paper's); a window the options
@@ -187,7 +191,7 @@ class CausalLMMethod:
     def state_dict(self) -> dict:
         """Every count the method holds (AGG's window, FACE's counts), tagged with the method, the
         vocabulary size and the updates counted."""
-        counted = {name: method for name, method in (("agg", self.agg), ("face", self.face)) if method is not None}
+        counted = self._counting_methods()
         return {"method": self.name, "vocab_size": self.vocab_size, "updates": self._counted_updates(),
                 "counts": {name: method.state_dict() for name, method in counted.items()}}
 
@@ -202,7 +206,7 @@ class CausalLMMethod:
         if state["vocab_size"] != self.vocab_size:
             raise UsageError(f"the state counts a vocabulary of {state['vocab_size']} tokens, the model has "
                              f"{self.vocab_size}")
-        counted = {name: method for name, method in (("agg", self.agg), ("face", self.face)) if method is not None}
+        counted = self._counting_methods()
         if set(state["counts"]) != set(counted):
             raise UsageError(f"the state holds counts of {sorted(state['counts'])}, the method keeps {sorted(counted)}")
         for name, method in counted.items():

@@ -13,7 +13,7 @@ def check_args(p, a):
         p.error(f"--updates must be >= 1, got {a.updates}")
     if a.threads < 1:
         p.error(f"--threads must be >= 1, got {a.threads}")
-    if a.jobs < 1:
+    if getattr(a, "jobs", 1) < 1:
         p.error(f"--jobs must be >= 1, got {a.jobs}")
     if a.vocab_size < 50:
         p.error(f"--vocab-size must be >= 50, got {a.vocab_size}")
@@ -21,6 +21,8 @@ def check_args(p, a):
         p.error("--seeds must be distinct")
     if any(s < 0 for s in a.seeds):
         p.error("--seeds must be >= 0")
+    if len(set(a.methods)) != len(a.methods):
+        p.error(f"--methods must be distinct, got {' '.join(a.methods)}")
 
 
 def exit_in_one_line(main):
