@@ -21,8 +21,9 @@ def check_args(p, a):
         p.error("--seeds must be distinct")
     if any(s < 0 for s in a.seeds):
         p.error("--seeds must be >= 0")
-    if len(set(a.methods)) != len(a.methods):
-        p.error(f"--methods must be distinct, got {' '.join(a.methods)}")
+    methods = getattr(a, "methods", None) or []  # the study's parser has none
+    if len(set(methods)) != len(methods):
+        p.error(f"--methods must be distinct, got {' '.join(methods)}")
 
 
 def exit_in_one_line(main):
