@@ -14,7 +14,7 @@ from fairseq_agg.errors import UsageError
 from fairseq_agg.ops import LossRequest, agg_gates, body_runner, fused_linear_loss, output_kernel
 from fairseq_runs import TINY_LM_ARGS, read_json_log, run_cli
 from reference_constructions import gate_matrix
-from zloss_plugin.term import ZLoss
+from zloss_plugin.zloss import ZLoss
 
 PLUGIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support", "zloss_plugin")
 OPS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fairseq_agg", "ops")

@@ -13,7 +13,7 @@ from fairseq_agg.errors import check_number
 from fairseq_agg.criterions.output_loss import OutputLossConfig, OutputLossCriterion, log_means
 from fairseq_agg.ops import fused_linear_loss
 
-from .term import ZLoss
+from .zloss import ZLoss
 
 fairseq_agg.register_with_fairseq()  # fairseq-agg's own criteria beside this one (the one registration line)
 
