@@ -120,7 +120,7 @@ def figure_frontier(summary, names, groups, path, styles=None):
     drawn = {0: [], 1: []}  # per panel: (name, Line2D) of each point, in drawing order
     for k, (ax, key, label) in enumerate(((axes[0], "isotropy", "I(W), sign-symmetric (headline)"),
                                           (axes[1], "isotropy_raw",
-                                           "I(W), AGG paper's form (eigenvector signs by a fixed rule)"))):
+                                           "I(W), paper's form (the AGG paper's; eigenvector signs by a fixed rule)"))):
         for g1, dashes in (("code", "-"), ("normalized", "--")):
             sweep = [n for _, n in sorted((groups[n]["alpha"], n) for n in names if groups[n].get("g1") == g1)]
             if sweep:

@@ -1,7 +1,17 @@
 """The tail part's figures, each run in one style (an Okabe-Ito colour, a marker and a line style)
 in every panel and figure (:func:`tail_styles`, study/figure_style.py): learning curves with one
 panel per group of methods, test PPL per frequency group under both groupings, the size of AGG's
-rare set over training, and isotropy against the rare set."""
+rare set over training, and isotropy against the rare set.
+
+The per-group figure can also be drawn from a table's printed values, kept where the runs are gone
+({"runs": {name: {"seeds": n, "test_ppl_<group>" / "test_ppl_demo_<group>": [mean, half range or
+null]}}, "sizes": {grouping: {group: types}}}, keys starting with "_" are notes):
+
+    python -m study.tail_figures --group-ppl docs/data/tail_group_ppl.json --figure OUT.png
+"""
+import argparse
+import os
+import sys
 from typing import List, Optional
 
 from fairseq_agg.analysis.plots import pyplot
@@ -169,3 +179,35 @@ def figure_isotropy_vs_rare(by_name, names, path, static_rare: Optional[int] = N
     return _finish_single_axes(fig, ax, path, "rare set at the end (types, + 1; log scale): AGG's, or the frozen "
                                "static group", "I(W) (sign-symmetric)",
                                "isotropy against the rare set, both threshold rules (one point per run and seed)")
+
+
+def printed_summary(table) -> dict:
+    """The report's summary ({name: {key: {mean, spread}, "seeds": [...]}}) of a table's printed
+    group PPLs (the module's docstring), for :func:`figure_group_ppl`."""
+    return {name: {"seeds": list(range(1, run["seeds"] + 1)),
+                   **{key: {"mean": v[0], "spread": v[1]} for key, v in run.items() if key.startswith("test_ppl")}}
+            for name, run in table["runs"].items()}
+
+
+def main(argv=None):
+    from fairseq_agg.files import atomic_output
+    from study import store
+
+    p = argparse.ArgumentParser(prog="python -m study.tail_figures", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--group-ppl", metavar="JSON", required=True, help="a table's printed group PPLs (above)")
+    p.add_argument("--figure", metavar="OUT.png", required=True, help="where to draw test PPL per frequency group")
+    a = p.parse_args(argv)
+    if not os.path.isfile(a.group_ppl):
+        p.error(f"--group-ppl: no such file: {a.group_ppl}")
+    table = store.read_json(a.group_ppl)
+    with atomic_output(a.figure, inputs=(a.group_ppl,), flag="--figure") as handle:
+        figure_group_ppl(printed_summary(table), list(table["runs"]), handle, sizes=table.get("sizes"))
+    print(a.figure)
+    return 0
+
+
+if __name__ == "__main__":
+    from study.harness.cli import exit_in_one_line
+
+    sys.exit(exit_in_one_line(main))

@@ -94,18 +94,21 @@ def plot(trajectories: List[dict], endpoints: Dict[str, list], path):
 
     endpoints = {name: ends for name, ends in endpoints.items() if not name.startswith("_")}  # "_about": notes
     names = list(dict.fromkeys([t["name"] for t in trajectories] + list(endpoints)))
-    colour = {n: style["color"] for n, style in tail_styles(names).items()}  # as in the part's other figures
+    styles = tail_styles(names)  # each run's colour, marker and line style, as in the part's other figures
+    order = list(styles)
     fig, axes = pyplot().subplots(1, 2, figsize=(10, 3.8))
-    for t in trajectories:
+    for t in sorted(trajectories, key=lambda t: order.index(t["name"])):
         x = [p["updates"] for p in t["points"]]
         label = f"{t['name']} (seed {t['seed']}, {t['budget_updates']:,} updates)"
-        axes[0].plot(x, [p["isotropy"] for p in t["points"]], marker="o", color=colour[t["name"]], label=label)
-        axes[1].plot(x, [p["test_ppl"] for p in t["points"]], marker="o", color=colour[t["name"]], label=label)
+        axes[0].plot(x, [p["isotropy"] for p in t["points"]], label=label, **styles[t["name"]])
+        axes[1].plot(x, [p["test_ppl"] for p in t["points"]], label=label, **styles[t["name"]])
     for name, ends in endpoints.items():
         for k, (ax, values) in enumerate(zip(axes, ([e[1] for e in ends], [e[2] for e in ends]))):
-            ax.scatter([e[0] for e in ends], values, facecolors="none", edgecolors=colour[name], s=70, zorder=3,
+            ax.scatter([e[0] for e in ends], values, marker=styles[name]["marker"], facecolors="none",
+                       edgecolors=styles[name]["color"], s=70, zorder=3,
                        label=f"{name}, end of a 1- or 2-epoch run" if k == 0 else None)
-    axes[0].set(xlabel="updates", ylabel="I(W) of the output embedding", title="isotropy at each epoch's end")
+    axes[0].set(xlabel="updates", ylabel="I(W) of the output embedding (sign-symmetric)",
+                title="isotropy at each epoch's end")
     axes[1].set(xlabel="updates", ylabel="test PPL", title="test perplexity at each epoch's end")
     axes[0].legend(fontsize=7, loc="best")
     with atomic_output(path, flag="--figure") as handle:

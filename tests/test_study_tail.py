@@ -183,6 +183,52 @@ def test_tail_figures_draw_each_run_in_one_style_in_every_panel(tmp_path, monkey
         bars_drawn = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
         assert sum(len(c.lines[2][0].get_segments()) for c in bars_drawn) == 2 * len(GROUPS)
 
+    # the four-epoch trajectory (study.trajectory): each run in the same style, the baseline first
+    import study.harness.figures as HF
+    from study import trajectory as TJ
+
+    monkeypatch.setattr(HF, "save_study_figure", lambda fig, handle: drawn.append(fig))
+    points = [{"updates": u, "isotropy": 0.5 - u / 1000, "test_ppl": 95.0 - u / 100} for u in (100, 200)]
+    runs = [{"name": n, "seed": 1, "budget_updates": 200, "points": points} for n in ("coupled-adam", "baseline", "agg-pu")]
+    TJ.plot(runs, {"_about": "a note", "agg-pu": [[100, 0.6, 96.0]]}, str(tmp_path / "t.png"))
+    for ax in drawn[-1].axes:
+        lines = ax.get_lines()
+        assert [line.get_label().split(" (")[0] for line in lines] == ["baseline", "agg-pu", "coupled-adam"]
+        for line in lines:
+            assert {(to_hex(line.get_color()), line.get_marker(), line.get_linestyle())} == style[
+                line.get_label().split(" (")[0]]
+        end, = ax.collections  # the shorter run's end: an open marker of its run's colour and marker
+        assert tuple(end.get_edgecolor()[0][:3]) == colour["agg-pu"] and len(end.get_facecolor()) == 0
+
+
+def test_the_group_figure_draws_a_tables_printed_values(tmp_path, monkeypatch, capsys):
+    """python -m study.tail_figures --group-ppl: the bars are the table's means, in each run's colour,
+    with error bars only for the runs of several seeds; a missing table is refused in one line."""
+    from matplotlib.colors import to_rgb
+
+    table = {"_about": "a note", "sizes": {"paper": {"freq": 3, "med": 5, "rare": 2}},
+             "runs": {"baseline": {"seeds": 3, **{f"test_ppl_{p}{g}": [80.0 * 10 ** k, 2.0]
+                                                  for p in ("", "demo_") for k, g in enumerate(GROUPS)}},
+                      "al": {"seeds": 1, **{f"test_ppl_{p}{g}": [70.0 * 10 ** k, None]
+                                            for p in ("", "demo_") for k, g in enumerate(GROUPS)}}}}
+    data = tmp_path / "groups.json"
+    data.write_text(json.dumps(table))
+    figure = tmp_path / "g.png"
+    assert TF.main(["--group-ppl", str(data), "--figure", str(figure)]) == 0
+    assert figure.read_bytes()[:8] == PNG_MAGIC
+    drawn = []
+    monkeypatch.setattr(TF, "save_study_figure", lambda fig, handle: drawn.append(fig))
+    TF.main(["--group-ppl", str(data), "--figure", str(tmp_path / "h.png")])
+    colour = {n: to_rgb(s["color"]) for n, s in TF.tail_styles(["baseline", "al"]).items()}
+    for ax in drawn[0].axes[:2]:
+        assert [p.get_height() for p in ax.patches] == [80.0, 70.0, 800.0, 700.0, 8000.0, 7000.0]
+        assert [to_rgb(p.get_facecolor()) for p in ax.patches] == [colour["baseline"], colour["al"]] * 3
+        assert sum(len(c.lines[2][0].get_segments()) for c in ax.containers if hasattr(c, "has_yerr")) == 3
+    assert "5 / 2 types here" in drawn[0].axes[0].get_title()
+    with pytest.raises(SystemExit) as stop:
+        TF.main(["--group-ppl", str(tmp_path / "nosuch.json"), "--figure", str(figure)])
+    assert stop.value.code == 2 and "--group-ppl: no such file" in capsys.readouterr().err
+
 
 
 def _dictionary(n_types):
