@@ -98,18 +98,29 @@ class AggCriterionConfig(AugmentedLossConfig):
 
 @register_criterion("cross_entropy_agg", dataclass=AggCriterionConfig)
 class AggCriterion(OutputLossCriterion):
-    """AGG's gated cross-entropy (or rare-token freezing), optionally with the augmented loss."""
+    """AGG's gated cross-entropy (or rare-token freezing), optionally with the augmented loss.
+
+    One window per target dictionary (``self.aggs``, by state name; ``self.agg`` is the first, the
+    only one unless multilingual_translation splits its dictionaries per target language:
+    fairseq_facts/target_vocabularies.py); each language pair's batch counts into, and is gated
+    by, the window of its target dictionary."""
+
+    counts_per_vocabulary = True
 
     def __init__(self, task, cfg: AggCriterionConfig):
         threshold_mode, ref_tokens = resolve_threshold(cfg.agg_threshold_mode, cfg.agg_ref_tokens,
                                                        is_translation_task(task))
         super().__init__(task, cfg, "cross_entropy_agg")
-        self.agg = AggLoss(
-            len(self.dictionary), alpha=cfg.agg_alpha, window=cfg.agg_window or None, nspecial=nspecial(self.dictionary),
+        self.aggs = self.per_vocabulary("window", lambda dictionary: AggLoss(
+            len(dictionary), alpha=cfg.agg_alpha, window=cfg.agg_window or None, nspecial=nspecial(dictionary),
             g1_mode=cfg.agg_g1_mode, threshold_mode=threshold_mode,
             ref_tokens=ref_tokens if threshold_mode == "relative" else (cfg.agg_ref_tokens or None),
             all_reduce=not cfg.agg_local_counts, process_group=data_parallel_group(),
-        )
+        ))
+        self.agg = next(iter(self.aggs.values()))
+        if self.vocabularies.split:  # freezing's rows and the augmented loss's teacher are of one dictionary
+            refuse_without(cfg, AggCriterionConfig, ["agg_freeze_rare", "aug_alpha"], False,
+                           "one target dictionary (multilingual_translation splits them per target language)")
         group = None
         if cfg.agg_freeze_set == "group":
             fractions = parse_fractions(cfg.embed_group_fractions)
@@ -122,7 +133,8 @@ class AggCriterion(OutputLossCriterion):
         augmented = augmented_loss_from_config(cfg, self.dictionary)  # validates the --aug-* flags
         self.augmented = augmented if augmented.alpha > 0 else None  # off: the step never reaches it
         self.refuse_output_kernel(*([TeacherTargets] if augmented.fused_teacher else []))
-        self.keep_in_checkpoints("agg_restart_counts", window=self.agg.counter)  # the window travels with every checkpoint
+        # the windows travel with every checkpoint
+        self.keep_in_checkpoints("agg_restart_counts", **{name: agg.counter for name, agg in self.aggs.items()})
         # public, for inspection: the gates of the latest training micro-batch (None after validation)
         self.last_gates = None
         self._threshold_logged = self._operating_point_logged = False
@@ -130,7 +142,8 @@ class AggCriterion(OutputLossCriterion):
             self.log_threshold()
 
     def on_epoch_batches(self, batches_per_epoch):
-        self.set_epoch_window(self.agg.counter, batches_per_epoch, "AGG")
+        for name, agg in self.aggs.items():
+            self.set_epoch_window(agg.counter, batches_per_epoch, self.vocabulary_label("AGG", name))
         self.log_threshold()  # also after a resume, whose window came from the checkpoint
         self.log_operating_point(batches_per_epoch)
 
@@ -166,7 +179,7 @@ class AggCriterion(OutputLossCriterion):
         self.last_gates, frozen, extra = None, None, {}
         if update_num is not None:
             counted = batch.target[:0] if self.loop.ignore_grad else batch.target
-            self.last_gates = self.agg.step(counted, update_num)
+            self.last_gates = self.aggs[self.vocabulary_state("window", model)].step(counted, update_num)
             if self.freezing is not None:  # freezing replaces the gates: plain CE on every other row
                 frozen = self.freezing.terms(update_num, self.last_gates, batch.target.device)
                 extra = {"agg_freeze_steps": 1, "agg_frozen": frozen[0].mask.sum()} if frozen else {}

@@ -60,21 +60,27 @@ class FaceConfig(OutputLossConfig):
 
 @register_criterion("cross_entropy_face", dataclass=FaceConfig)
 class FaceCriterion(OutputLossCriterion):
-    """FACE-weighted (label-smoothed) cross-entropy; see the module docstring."""
+    """FACE-weighted (label-smoothed) cross-entropy; see the module docstring. Counts per target
+    dictionary (``self.faces``, by state name; ``self.face`` the first), as AGG's windows."""
+
+    counts_per_vocabulary = True
 
     def __init__(self, task, cfg: FaceConfig):
         super().__init__(task, cfg, "cross_entropy_face")
-        self.face = FaceLoss(
-            len(self.dictionary), weighing=cfg.face_weighing, frequency=cfg.face_frequency,
+        self.faces = self.per_vocabulary("counter", lambda dictionary: FaceLoss(
+            len(dictionary), weighing=cfg.face_weighing, frequency=cfg.face_frequency,
             counting=cfg.face_counting, window=cfg.face_window or None,
-            uncounted_id=None if cfg.face_count_eos else eos_index(self.dictionary), process_group=data_parallel_group(),
-        )
+            uncounted_id=None if cfg.face_count_eos else eos_index(dictionary), process_group=data_parallel_group(),
+        ))
+        self.face = next(iter(self.faces.values()))
         self.refuse_output_kernel(FaceWeights)
-        self.keep_in_checkpoints("face_restart_counts", counter=self.face.counter)  # the counts travel with every checkpoint
+        # the counts travel with every checkpoint
+        self.keep_in_checkpoints("face_restart_counts", **{name: face.counter for name, face in self.faces.items()})
 
     def on_epoch_batches(self, batches_per_epoch):
         if self.face.counting == "window":
-            self.set_epoch_window(self.face.counter, batches_per_epoch, "FACE")
+            for name, face in self.faces.items():
+                self.set_epoch_window(face.counter, batches_per_epoch, self.vocabulary_label("FACE", name))
 
     def forward(self, model, sample, reduce=True):
         batch = self.io.batch(model, sample)
@@ -82,7 +88,8 @@ class FaceCriterion(OutputLossCriterion):
         # validation does not
         update_num = self.loop.training_update(model, self.name)
         request = self.request.with_terms(per_token=not reduce)
-        result = self.face(batch.hidden, batch.weight, batch.target, update_num, request, dummy=self.loop.ignore_grad)
+        face = self.faces[self.vocabulary_state("counter", model)]
+        result = face(batch.hidden, batch.weight, batch.target, update_num, request, dummy=self.loop.ignore_grad)
         extra = {"face_weight": result.terms[FaceWeights.name]["weight"].data}
         return self.io.finish(model, batch, result.loss, result.nll, extra)
 

@@ -25,7 +25,9 @@ fields take their defaults), and ``compute_loss`` serves a task that runs the de
 import dataclasses
 import logging
 import math
+import os
 from dataclasses import dataclass, field
+from typing import Optional
 
 from fairseq import metrics, utils
 from fairseq.criterions import FairseqCriterion
@@ -37,6 +39,7 @@ from fairseq_agg.fairseq_facts.checkpoint_files import criterion_state_saved_aft
 from fairseq_agg.fairseq_facts.checkpoint_state import anchor_criterion_state, holds_criterion_state
 from fairseq_agg.fairseq_facts.criterion_config import complete_config
 from fairseq_agg.fairseq_facts.output_layer import OutputLayerIO, output_projection_weight, training_device
+from fairseq_agg.fairseq_facts.target_vocabularies import SHARED, TargetVocabularies
 from fairseq_agg.fairseq_facts.training_loop import TrainingLoop, updates_per_epoch
 from fairseq_agg.ops import LossRequest
 from fairseq_agg.ops.output_kernel import FLAG_CHOICES, check_available, describe, foreign_refusal
@@ -72,6 +75,10 @@ class OutputLossConfig(EmbeddingStatsConfig):
     update_freq: list = II("optimization.update_freq")
     train_subset: str = II("dataset.train_subset")
     ddp_backend: str = II("distributed_training.ddp_backend")
+    # fine-tuning (counts of the checkpoint loaded start empty): fairseq's own options
+    reset_optimizer: bool = II("checkpoint.reset_optimizer")
+    reset_dataloader: bool = II("checkpoint.reset_dataloader")
+    finetune_from_model: Optional[str] = II("checkpoint.finetune_from_model")
 
 
 def flag_default(config_class, name: str):
@@ -111,6 +118,10 @@ def log_means(logging_outputs, per: str, digits: dict) -> None:
 class OutputLossCriterion(FairseqCriterion):
     """Fused output projection + loss; see the module docstring. ``name`` is the registered name."""
 
+    # whether the criterion keeps its per-token state per target dictionary (per_vocabulary); one
+    # that does not refuses a task with several at start-up
+    counts_per_vocabulary = False
+
     def __init__(self, task, cfg: OutputLossConfig, name: str):
         # the shared flags, checked here once; forward adds only what changes per batch
         request = LossRequest(label_smoothing=cfg.label_smoothing, chunk_size=cfg.output_chunk_tokens,
@@ -124,7 +135,15 @@ class OutputLossCriterion(FairseqCriterion):
         self.cfg = cfg
         self.name = name
         self.request = request
-        self.dictionary = task.target_dictionary
+        # the target dictionaries: one per target language in multilingual_translation (split),
+        # else one (fairseq_facts/target_vocabularies.py); self.dictionary is the first
+        self.vocabularies = TargetVocabularies(task)
+        if self.vocabularies.split and not self.counts_per_vocabulary:
+            raise UsageError(
+                f"{name} does not support one target dictionary per language (multilingual_translation, target "
+                f"languages {', '.join(self.vocabularies.dictionaries)}): use --criterion cross_entropy_agg, or one "
+                "shared output matrix (--share-decoders with a joined dictionary)")
+        self.dictionary = self.vocabularies.first
         self.loop = TrainingLoop(task, cfg.train_subset or "train", on_epoch_batches=self.on_epoch_batches,
                                  on_begin_epoch=lambda epoch, model: self.check_model(model))
         self.embedding_stats = EmbeddingStats(cfg, task, self.loop)
@@ -144,7 +163,7 @@ class OutputLossCriterion(FairseqCriterion):
 
     def refuse_output_kernel(self, *term_types):
         """A foreign ``--output-kernel`` that cannot compute the terms this criterion will add (their
-        classes, :class:`fairseq_agg.ops.output_chunk.Term`): a UsageError at start-up."""
+        classes, :class:`fairseq_agg.ops.term.Term`): a UsageError at start-up."""
         kernel = self.request.output_kernel
         if kernel.foreign:
             refusal = foreign_refusal(kernel, term_types, label_smoothing=self.request.label_smoothing > 0)
@@ -171,6 +190,35 @@ class OutputLossCriterion(FairseqCriterion):
         return weight
 
     # --- counts in checkpoints
+    def per_vocabulary(self, prefix: str, build):
+        """``{state name: build(dictionary)}``, one per target vocabulary: ``prefix`` where the task
+        has one (the checkpoint keys of a single-dictionary run), ``prefix_LANG`` per target language
+        where it splits them."""
+        return {prefix if name == SHARED else f"{prefix}_{name}": build(dictionary)
+                for name, dictionary in self.vocabularies.dictionaries.items()}
+
+    def vocabulary_state(self, prefix: str, model) -> str:
+        """The state name, as :meth:`per_vocabulary` gave it, of the vocabulary ``model`` predicts over."""
+        name = self.vocabularies.name_of(model)
+        return prefix if name == SHARED else f"{prefix}_{name}"
+
+    @staticmethod
+    def vocabulary_label(method: str, state_name: str) -> str:
+        """``method`` in a log line, with the target language of a ``prefix_LANG`` state name."""
+        return f"{method} ({state_name.split('_', 1)[1]})" if "_" in state_name else method
+
+    def fine_tuned_checkpoint(self, loaded) -> Optional[str]:
+        """Why the checkpoint loaded is another run's that this one fine-tunes, or None: fairseq loads
+        it with a fresh optimizer (--reset-optimizer, the update count restarts at 0), a fresh data
+        order (--reset-dataloader), or as --finetune-from-model."""
+        if self.cfg.reset_optimizer or self.cfg.reset_dataloader:
+            reset = [flag_name(n) for n in ("reset_optimizer", "reset_dataloader") if getattr(self.cfg, n)]
+            return " and ".join(reset)
+        source = self.cfg.finetune_from_model
+        if source and loaded is not None and os.path.realpath(loaded.path) == os.path.realpath(source):
+            return "--finetune-from-model"
+        return None
+
     def keep_in_checkpoints(self, restart_flag: str, **counters):
         """Registers counters (modules with ``nbytes``) whose state travels with every checkpoint;
         ``restart_flag`` names the config's boolean flag that starts them empty on load instead."""
@@ -209,15 +257,20 @@ class OutputLossCriterion(FairseqCriterion):
         loaded = last_loaded_checkpoint()
         source = f"checkpoint {loaded.path}" if loaded else "the checkpoint"
         restart = flag_name(self.restart_flag)
+        fine_tuning = self.fine_tuned_checkpoint(loaded)
+        holds_counts = holds_criterion_state(state_dict, self.state_names)
+        if fine_tuning and holds_counts:  # the pretraining's counts: another run's data and update numbers
+            logger.info(f"{self.name}: fine-tuning ({fine_tuning}): the counts start empty ({source}'s are not loaded)")
+            return None
         if getattr(self.cfg, self.restart_flag):
             logger.info(f"{restart}: the counts of {self.name} start empty ({source}'s are not loaded)")
             return None
-        if not holds_criterion_state(state_dict, self.state_names):
+        if not holds_counts:
             # A checkpoint of this criterion always holds its counts; the checkpoint loaded last may
             # be another file than this state's only where the state holds another criterion's entries.
             own = {name for name, _ in self.named_parameters()}
             foreign = set(state_dict or ()) - own
-            if loaded is not None and loaded.criterion == self.name and not foreign:
+            if loaded is not None and loaded.criterion == self.name and not foreign and not fine_tuning:
                 raise UsageError(f"{source} was written by {self.name} but holds none of its counts "
                                  f"({', '.join(n + '.*' for n in self.state_names)}): {restart} starts them empty")
             logger.info(f"the checkpoint has no counts of {self.name} (written by another criterion): they start empty")

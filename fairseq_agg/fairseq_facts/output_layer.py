@@ -10,11 +10,12 @@ builds fairseq's ``(loss, sample_size, logging_output)``: ``sample_size`` is sen
 position, as fairseq's ``cross_entropy`` returns it (a (B x T,) tensor in the order of
 ``sample["target"].view(-1)``, 0 at padding).
 
-The features come from the model run with ``features_only=True`` where its decoder's ``forward``
-takes that argument (fairseq's Transformer). A decoder without it that applies a linear
-``output_projection`` last (lightconv, dynamicconv, ``lightconv_lm``) is run whole, with the
-projection's input captured and its matmul skipped (:class:`ProjectionInput`); the decoder must
-return the projection's output unchanged, else the batch is refused. A decoder output computed
+The features come from the model run with ``features_only=True`` where it takes that argument
+(fairseq's Transformer; :func:`takes_features_only`). A model without it that applies a linear
+``output_projection`` last (lightconv, dynamicconv, ``lightconv_lm``, the language-pair models of
+``multilingual_translation``) is run whole, with the projection's input captured and its matmul
+skipped (:class:`ProjectionInput`); the decoder must return the projection's output unchanged,
+else the batch is refused. A decoder output computed
 elsewhere (a task that calls the criterion's ``compute_loss``, as ``translation_moe`` does) is
 matched to the features of the projection call that produced it (:meth:`ProjectionInput.watch`).
 """
@@ -31,6 +32,17 @@ from fairseq_agg.errors import UsageError
 from .checkpoint_state import anchored
 
 
+# What to train instead of adaptive softmax / adaptive input. fairseq's WikiText-103 arch sets both
+# by default and no flag unsets them (an unset cutoff takes the arch's default), so the same sizes
+# and regularisation with a plain output layer is transformer_lm_big with the arch's other settings.
+PLAIN_OUTPUT_LAYER_INSTEAD = (
+    "train with a plain output layer instead: leave out --adaptive-softmax-cutoff and --adaptive-input (for --arch "
+    "transformer_lm_wiki103, which sets both, train its sizes as --arch transformer_lm_big --decoder-layers 16 "
+    "--decoder-attention-heads 8 --no-decoder-final-norm --dropout 0.3 --attention-dropout 0.1 --activation-dropout "
+    "0.1 --share-decoder-input-output-embed)"
+)
+
+
 def training_device(cfg) -> torch.device:
     """The device fairseq trains on: a GPU when there is one, unless ``--cpu``."""
     return torch.device("cuda" if torch.cuda.is_available() and not cfg.cpu else "cpu")
@@ -42,13 +54,11 @@ def output_projection_weight(model):
     if decoder is None:
         raise UsageError("this criterion needs an encoder-decoder or decoder-only fairseq model with a decoder")
     if getattr(decoder, "adaptive_softmax", None) is not None:
-        raise UsageError(
-            "--adaptive-softmax-cutoff is not supported by this criterion: it needs the full output "
-            "projection matrix (train without adaptive softmax)"
-        )
+        raise UsageError("--adaptive-softmax-cutoff is not supported by this criterion: it needs the full output "
+                         f"projection matrix; {PLAIN_OUTPUT_LAYER_INSTEAD}")
     embed = getattr(decoder, "embed_tokens", None)
     if embed is not None and embed.__class__.__name__ == "AdaptiveInput":
-        raise UsageError("--adaptive-input is not supported by this criterion (train with a plain embedding)")
+        raise UsageError(f"--adaptive-input is not supported by this criterion; {PLAIN_OUTPUT_LAYER_INSTEAD}")
     projection = getattr(decoder, "output_projection", None)
     if not isinstance(projection, torch.nn.Linear):
         raise UsageError(
@@ -61,7 +71,14 @@ def output_projection_weight(model):
 
 
 def takes_features_only(model) -> bool:
-    """Whether the model's decoder returns its features when run with ``features_only=True``."""
+    """Whether the model returns its decoder's features when run with ``features_only=True``: its
+    ``forward`` names the argument, or (a decoder-only model) its decoder's does. An
+    encoder-decoder model that passes only ``**kwargs`` on (fairseq's ``FairseqEncoderDecoderModel``,
+    the per-language-pair models of ``multilingual_translation``) hands them to its encoder too."""
+    if "features_only" in inspect.signature(model.forward).parameters:
+        return True
+    if getattr(model, "encoder", None) is not None:
+        return False
     return "features_only" in inspect.signature(model.decoder.forward).parameters
 
 

@@ -158,7 +158,10 @@ def updates_per_epoch(batches_per_epoch: int, update_freq) -> int:
 
 
 def is_translation_task(task) -> bool:
-    """True for fairseq's translation task and its subclasses (a source side), False for LM."""
+    """True for fairseq's translation tasks and their subclasses (a source side: ``translation``,
+    ``multilingual_translation``, ``translation_multi_simple_epoch``), False for LM."""
+    from fairseq.tasks.multilingual_translation import MultilingualTranslationTask
     from fairseq.tasks.translation import TranslationTask
+    from fairseq.tasks.translation_multi_simple_epoch import TranslationMultiSimpleEpochTask
 
-    return isinstance(task, TranslationTask)
+    return isinstance(task, (TranslationTask, MultilingualTranslationTask, TranslationMultiSimpleEpochTask))
