@@ -19,9 +19,23 @@ if [[ ! -x "$venv/bin/python" ]]; then
 fi
 vpy="$venv/bin/python"
 stamp="$venv/.fairseq-agg-installed$extra"
+# --test: fairseq's own tests (tests/test_fairseq_own_tests.py) from the fairseq-fixed sdist, extracted
+# once into .venv/fairseq-own-tests/tests (pip download builds the sdist's metadata: needs torch)
+own_tests="$venv/fairseq-own-tests"
+extract_fairseq_own_tests() {
+  [[ "$extra" == *test* && ! -f "$own_tests/tests/test_train.py" ]] || return 0
+  echo "[setup] extracting fairseq's own tests from the fairseq-fixed 0.12.3.1 sdist"
+  rm -rf "$own_tests.partial" && mkdir -p "$own_tests.partial/sdist"
+  "$vpy" -m pip download -q --no-deps --no-binary :all: --no-build-isolation \
+    -d "$own_tests.partial/sdist" "fairseq-fixed==0.12.3.1"
+  tar -xzf "$own_tests.partial"/sdist/*.tar.gz -C "$own_tests.partial" --strip-components=1 \
+    --wildcards --no-wildcards-match-slash '*/tests/*'
+  rm -rf "$own_tests.partial/sdist" "$own_tests" && mv "$own_tests.partial" "$own_tests"
+}
 
 if [[ -f "$stamp" ]] && "$vpy" -c "import torch, fairseq, fairseq_agg" >/dev/null 2>&1 \
    && [[ "$stamp" -nt "$root/pyproject.toml" ]]; then
+  extract_fairseq_own_tests
   exit 0
 fi
 
@@ -47,3 +61,4 @@ echo "[setup] installing fairseq-agg$extra"
 "$vpy" -m pip install -q --no-build-isolation -e "$root$extra"
 "$vpy" -c "import torch, fairseq, fairseq_agg" 
 touch "$stamp"
+extract_fairseq_own_tests
