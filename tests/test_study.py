@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -643,6 +644,11 @@ def test_a_killed_run_resumes_from_its_last_checkpoint_and_ends_as_an_uninterrup
             assert proc.returncode == 0, out[-4000:]
             assert "end of epoch 1 " in (runs[name] / "train.log").read_text()
             continue
+        # the data the straight run prepared (same fixtures and vocabulary, reused by its done.json):
+        # prepared once, and the killed invocation goes straight to training
+        shutil.copytree(tmp_path / "straight" / "_data", tmp_path / name / "_data")
+        stamp = tmp_path / name / "_data" / "lm" / "data" / "done.json"
+        prepared = stamp.stat().st_mtime_ns
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         child = subprocess.Popen([sys.executable, "-m", "study.run", *map(str, args)], cwd=repo_root, env=env,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -659,6 +665,7 @@ def test_a_killed_run_resumes_from_its_last_checkpoint_and_ends_as_an_uninterrup
         proc, out = study(repo_root, args)
         assert proc.returncode == 0, out[-4000:]
         assert re.search(r"agg-s1 resumes from its checkpoint_[12]_(20|24)\.pt \(attempt 2\)", out), out[-3000:]
+        assert stamp.stat().st_mtime_ns == prepared  # the copied data was used, not made again
 
     straight, resumed = (json.load(open(runs[n] / "result.json")) for n in ("straight", "killed"))
     assert straight["attempts"] == 1 and resumed["attempts"] == 2
