@@ -194,13 +194,16 @@ class OutputLossCriterion(FairseqCriterion):
         """``{state name: build(dictionary)}``, one per target vocabulary: ``prefix`` where the task
         has one (the checkpoint keys of a single-dictionary run), ``prefix_LANG`` per target language
         where it splits them."""
-        return {prefix if name == SHARED else f"{prefix}_{name}": build(dictionary)
+        return {self._state_name(prefix, name): build(dictionary)
                 for name, dictionary in self.vocabularies.dictionaries.items()}
 
     def vocabulary_state(self, prefix: str, model) -> str:
         """The state name, as :meth:`per_vocabulary` gave it, of the vocabulary ``model`` predicts over."""
-        name = self.vocabularies.name_of(model)
-        return prefix if name == SHARED else f"{prefix}_{name}"
+        return self._state_name(prefix, self.vocabularies.name_of(model))
+
+    @staticmethod
+    def _state_name(prefix: str, vocabulary: str) -> str:
+        return prefix if vocabulary == SHARED else f"{prefix}_{vocabulary}"
 
     @staticmethod
     def vocabulary_label(method: str, state_name: str) -> str:
