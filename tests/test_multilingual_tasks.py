@@ -116,6 +116,17 @@ def test_multilingual_translation_counts_per_target_dictionary_and_round_trips(m
                                          "language .*target languages de, fr"):
         criterion_from_flags(task, split_bin, SPLIT_ARGS, ["--criterion", "cross_entropy_unlikelihood"])
 
+    # the start-up check reads every language pair's decoder, not only the first one's
+    assert agg.check_model(model) is model.models["en-de"].decoder.output_projection.weight
+    fr_decoder = model.models["en-fr"].decoder
+    fr_decoder.output_projection = torch.nn.Linear(16, len(task.dicts["fr"]) + 1, bias=False)
+    with pytest.raises(UsageError, match=f"^language pair en-fr: the output projection has {sizes['fr'] + 1} rows "
+                                         f"but the target dictionary has {sizes['fr']}$"):
+        agg.check_model(model)
+    fr_decoder.output_projection = torch.nn.Linear(16, sizes["fr"], bias=True)
+    with pytest.raises(UsageError, match="^language pair en-fr: output projections with a bias are not supported"):
+        agg.check_model(model)
+
 
 def test_translation_multi_simple_epoch_counts_in_its_one_dictionary(multilingual_bins):
     _, shared_bin, langs = multilingual_bins

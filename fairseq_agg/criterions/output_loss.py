@@ -39,7 +39,7 @@ from fairseq_agg.fairseq_facts.checkpoint_files import criterion_state_saved_aft
 from fairseq_agg.fairseq_facts.checkpoint_state import anchor_criterion_state, holds_criterion_state
 from fairseq_agg.fairseq_facts.criterion_config import complete_config
 from fairseq_agg.fairseq_facts.output_layer import OutputLayerIO, output_projection_weight, training_device
-from fairseq_agg.fairseq_facts.target_vocabularies import SHARED, TargetVocabularies
+from fairseq_agg.fairseq_facts.target_vocabularies import SHARED, TargetVocabularies, language_pair_models
 from fairseq_agg.fairseq_facts.training_loop import TrainingLoop, updates_per_epoch
 from fairseq_agg.ops import LossRequest
 from fairseq_agg.ops.output_kernel import FLAG_CHOICES, check_available, describe, foreign_refusal
@@ -178,13 +178,20 @@ class OutputLossCriterion(FairseqCriterion):
         """The training subset has this many batches per epoch (epoch-sized windows are set here)."""
 
     def check_model(self, model):
-        """Refuses models without a usable output projection (one line naming the flag); fairseq
-        calls it in ``task.begin_epoch``, before it could write any checkpoint."""
+        """Refuses models without a usable output projection (one line naming the flag), each language
+        pair's of a multilingual model; fairseq calls it in ``task.begin_epoch``, before it could write
+        any checkpoint."""
+        for pair, pair_model in language_pair_models(model).items():
+            where = f"language pair {pair}: " if pair != SHARED else ""
+            try:
+                rows = output_projection_weight(pair_model).size(0)
+            except UsageError as refusal:
+                raise UsageError(f"{where}{refusal}") from None
+            dictionary = self.vocabularies.dictionaries[self.vocabularies.name_of(pair_model)]
+            if rows != len(dictionary):
+                raise UsageError(f"{where}the output projection has {rows} rows but the target dictionary has "
+                                 f"{len(dictionary)}")
         weight = output_projection_weight(model)
-        if weight.size(0) != len(self.dictionary):
-            raise UsageError(
-                f"the output projection has {weight.size(0)} rows but the target dictionary has {len(self.dictionary)}"
-            )
         self.io.watch(model)  # for compute_loss on a decoder output the task computed
         self._model_checked = True
         return weight

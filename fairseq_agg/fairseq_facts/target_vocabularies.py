@@ -14,7 +14,9 @@ per target dictionary:
 
 A criterion gets the ``(model, sample)`` of one language pair at a time
 (``multilingual_translation`` hands it ``model.models[pair]``); :meth:`TargetVocabularies.name_of`
-finds that model's vocabulary from its decoder's dictionary.
+finds that model's vocabulary from its decoder's dictionary; at start-up it gets the whole model,
+whose language pairs :func:`language_pair_models` lists (the multi-model's own ``decoder`` is only
+the first pair's).
 """
 from collections import OrderedDict
 
@@ -67,3 +69,13 @@ class TargetVocabularies:
             raise UsageError(f"the decoder of {type(model).__name__} predicts over none of the task's target "
                              f"dictionaries ({', '.join(self.dictionaries)})")
         return name
+
+
+def language_pair_models(model) -> "OrderedDict[str, object]":
+    """``{language pair: its model}`` of a ``multilingual_translation`` model (a ``FairseqMultiModel``,
+    one decoder per target language unless shared), else ``{SHARED: model}``."""
+    from fairseq.models import FairseqMultiModel
+
+    if isinstance(model, FairseqMultiModel):
+        return OrderedDict(model.models.items())
+    return OrderedDict([(SHARED, model)])
