@@ -157,6 +157,7 @@ EXACT_STEP_LM = ["--task", "language_modeling", "--arch", "transformer_lm", "--d
                  "--max-tokens", "4096", "--required-batch-size-multiple", "1", "--optimizer", "sgd", "--lr", "0.5",
                  "--lr-scheduler", "fixed", "--dropout", "0", "--seed", "1", "--cpu", "--num-workers", "0",
                  "--no-save", "--disable-validation", "--max-update", "4", "--log-interval", "1", "--no-progress-bar"]
+# (fairseq-train makes its --save-dir, ./checkpoints, even with --no-save: the runs start in tmp_path)
 
 
 def train_env_ranks(data, tmp_path, extra):
@@ -172,7 +173,7 @@ def train_env_ranks(data, tmp_path, extra):
             [sys.executable, str(script), str(tmp_path / f"env_rank{rank}.pt"), data, "--user-dir", USER_DIR]
             + EXACT_STEP_LM + extra + ["--distributed-world-size", "2", "--distributed-backend", "gloo",
                                        "--ddp-backend", "legacy_ddp"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path))
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     for p, out in zip(procs, outputs):
         assert p.returncode == 0, out[-4000:]
@@ -185,7 +186,7 @@ def train_one_process(data, tmp_path, name, extra):
     script.write_text(RANK_STATE_DUMPER)
     proc = subprocess.run([sys.executable, str(script), str(tmp_path / f"{name}.pt"), data, "--user-dir", USER_DIR]
                           + EXACT_STEP_LM + extra, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return torch.load(tmp_path / f"{name}.pt", weights_only=False)
 

@@ -88,12 +88,15 @@ def is_e2e(item) -> bool:
     return any(f is not None and starts_processes(f) for f in functions)
 
 
-# The modules that take longest, longest first (seconds of their tests on 2 cores with two workers,
-# `--durations`, 6 December 2026). They are handed out first, so that the two workers of
-# scripts/run_tests.sh (pytest-xdist, --dist loadfile: a module stays on one worker) end together
-# instead of one of them starting the study's smoke last.
-LONGEST_FIRST = ("test_study_tail.py", "test_study.py", "test_gpu_check.py", "test_pipelines_demo.py",
-                 "test_bench_criterion.py", "test_distributed.py", "test_baselines_e2e.py", "test_packaging.py",
+# The modules that take longest, longest first (the sums of their tests' `--durations` in a
+# fresh-clone run of scripts/run_tests.sh, 7 December 2026). They are handed out first, so that the
+# two workers of scripts/run_tests.sh (pytest-xdist, --dist loadfile: a module stays on one worker;
+# --no-loadscope-reorder, or xdist would hand out the modules with the most tests first instead)
+# end together instead of one of them starting the study's smoke last.
+LONGEST_FIRST = ("test_study_tail.py", "test_pipelines_demo.py", "test_gpu_check.py", "test_study.py",
+                 "test_distributed.py", "test_bench_criterion.py", "test_faults_outputs.py",
+                 "test_average_checkpoints.py", "test_pipelines_wmt.py", "test_baselines_e2e.py", "test_packaging.py",
+                 "test_fairseq_matrix.py", "test_faults_checkpoints.py", "test_hf_demo.py", "test_analyze.py",
                  "test_pipelines_wikitext.py", "test_pipelines_demo_mt.py", "test_coupled_adam.py")
 
 
