@@ -152,4 +152,14 @@ def test_both_tasks_train_two_updates(multilingual_bins, tmp_path, task_name):
     state = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=False)["criterion"]
     windows = {key.split(".")[0] for key in state} - {"state_anchor"}
     assert windows == ({"window_de", "window_fr"} if task_name == "multilingual_translation" else {"window"})
+    if task_name == "multilingual_translation":
+        # each window's operating point is read on its own language's targets: every training line
+        # and its end of sentence, the 120 of each pair once (both pairs have 120: none repeats)
+        raw = os.path.join(os.path.dirname(split_bin), "raw")
+        for lang in ("de", "fr"):
+            with open(os.path.join(raw, f"train.en-{lang}.{lang}")) as lines:
+                tokens = sum(len(line.split()) + 1 for line in lines)
+            line = next(line for line in (proc.stdout + proc.stderr).splitlines()
+                        if f"AGG ({lang}): operating point: a type is rare below " in line)
+            assert f"per epoch ({tokens:,} target tokens in 4 updates of about " in line, line
 

@@ -161,14 +161,23 @@ class AggCriterion(OutputLossCriterion):
 
     def log_operating_point(self, batches_per_epoch: int):
         """Says once, at start-up, where alpha puts AGG's rare set in this run (docs/agg.md, "The
-        operating point"); not for freezing a static group, which ignores the window."""
+        operating point"), for each window its own target tokens; not for freezing a static group,
+        which ignores the window."""
         tokens = self.loop.tokens_per_epoch
         if self._operating_point_logged or not tokens or self.cfg.agg_freeze_rare and self.cfg.agg_freeze_set == "group":
             return
         self._operating_point_logged = True
-        if not self.agg.all_reduce:  # --agg-local-counts: each rank counts its own share of the epoch
-            tokens = tokens / data_parallel_world_size()
-        logger.info(f"AGG: {self.agg.describe_operating_point(tokens, updates_per_epoch(batches_per_epoch, self.cfg.update_freq))}")
+        tokens_of = {name: tokens for name in self.aggs}
+        if self.vocabularies.split and self.loop.tokens_per_pair:  # a window per target language
+            tokens_of = dict.fromkeys(self.aggs, 0)
+            for pair, pair_tokens in self.loop.tokens_per_pair.items():
+                tokens_of[self._state_name("window", self.vocabularies.name_of_pair(pair))] += pair_tokens
+        updates = updates_per_epoch(batches_per_epoch, self.cfg.update_freq)
+        for name, agg in self.aggs.items():
+            window_tokens = tokens_of[name]
+            if not agg.all_reduce:  # --agg-local-counts: each rank counts its own share of the epoch
+                window_tokens = window_tokens / data_parallel_world_size()
+            logger.info(f"{self.vocabulary_label('AGG', name)}: {agg.describe_operating_point(window_tokens, updates)}")
 
     def forward(self, model, sample, reduce=True):
         batch = self.io.batch(model, sample)

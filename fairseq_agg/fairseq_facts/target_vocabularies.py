@@ -42,6 +42,7 @@ class TargetVocabularies:
 
         self.dictionaries = OrderedDict()
         self._names = {}  # id of a target dictionary object -> its vocabulary's name
+        self._language_names = {}  # target language -> its vocabulary's name (multilingual_translation)
         if isinstance(task, MultilingualTranslationTask):
             targets = list(OrderedDict.fromkeys(pair.split("-")[1] for pair in task.model_lang_pairs))
             shared = len(targets) == 1 or _shares_output_matrix(task.args)  # one target language: one vocabulary
@@ -49,6 +50,7 @@ class TargetVocabularies:
                 name = SHARED if shared else lang
                 self.dictionaries.setdefault(name, task.dicts[lang])
                 self._names[id(task.dicts[lang])] = name
+                self._language_names[lang] = name
         else:
             self.dictionaries[SHARED] = task.target_dictionary
             self._names[id(task.target_dictionary)] = SHARED
@@ -58,6 +60,10 @@ class TargetVocabularies:
     def first(self):
         """The dictionary of the first vocabulary (the only one where it is shared)."""
         return next(iter(self.dictionaries.values()))
+
+    def name_of_pair(self, pair: str) -> str:
+        """The vocabulary a language pair (``src-tgt``) of the task predicts over."""
+        return self._language_names.get(pair.split("-")[-1], SHARED) if self.split else SHARED
 
     def name_of(self, model) -> str:
         """The vocabulary of the model (or language pair's model) a criterion was handed."""

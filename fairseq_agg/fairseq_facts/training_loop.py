@@ -37,6 +37,7 @@ class TrainingLoop:
     def __init__(self, task=None, train_subset: Optional[str] = None, on_epoch_batches=None, on_begin_epoch=None):
         self.update_num = None
         self.tokens_per_epoch = None  # target tokens of the training subset (all ranks), once known
+        self.tokens_per_pair = None  # the same per language pair, under multilingual_translation
         self.ignore_grad = False
         self._on_epoch_batches = on_epoch_batches
         self._on_begin_epoch = on_begin_epoch
@@ -62,8 +63,10 @@ class TrainingLoop:
     def on_train_step(self, update_num: int, ignore_grad: bool):
         self.set_update_num(update_num, ignore_grad)
 
-    def on_train_batches(self, batches_per_epoch: int, tokens_per_epoch: Optional[int] = None):
-        self.tokens_per_epoch = tokens_per_epoch
+    def on_train_batches(self, batches_per_epoch: int, tokens_per_epoch: Optional[int] = None,
+                         tokens_per_pair: Optional[dict] = None):
+        self.tokens_per_pair = tokens_per_pair
+        self.tokens_per_epoch = sum(tokens_per_pair.values()) if tokens_per_pair else tokens_per_epoch
         if self._on_epoch_batches is not None:
             self._on_epoch_batches(batches_per_epoch)
 
@@ -104,7 +107,8 @@ def _wrap(task):
             except TypeError:  # streaming iterators have no length
                 batches = None
             if batches:
-                _notify(task, "on_train_batches", batches, epoch_target_tokens(dataset, iterator))
+                _notify(task, "on_train_batches", batches, epoch_target_tokens(dataset, iterator),
+                        epoch_target_tokens_per_pair(dataset, iterator))
         return iterator
 
     begin_epoch = task.begin_epoch
@@ -148,6 +152,29 @@ def epoch_target_tokens(dataset, iterator) -> Optional[int]:
         return int(sizes.sum())
     except (IndexError, TypeError, ValueError):
         return None
+
+
+def epoch_target_tokens_per_pair(dataset, iterator) -> Optional[dict]:
+    """``{language pair: target tokens of one epoch}`` of ``multilingual_translation``'s round-robin
+    dataset (``RoundRobinZipDatasets``), None for any other. Each batch index gives every pair a
+    sample, a shorter pair's taken again from its start: fairseq's ``_map_index``, read here on the
+    order that fairseq set for the epoch (``_ordered_indices``, after its size filter)."""
+    from fairseq.data import RoundRobinZipDatasets
+
+    batches = getattr(iterator, "frozen_batches", None)
+    order = getattr(dataset, "_ordered_indices", None)
+    if not isinstance(dataset, RoundRobinZipDatasets) or batches is None or order is None:
+        return None
+    indices = np.concatenate([np.asarray(batch, dtype=np.int64) for batch in batches] or [np.zeros(0, np.int64)])
+    counts = {}
+    for pair, pair_dataset in dataset.datasets.items():
+        while getattr(pair_dataset, "tgt_sizes", None) is None and hasattr(pair_dataset, "dataset"):
+            pair_dataset = pair_dataset.dataset  # e.g. the language-token wrapper of --decoder-langtok
+        sizes, pair_order = getattr(pair_dataset, "tgt_sizes", None), np.asarray(order[pair], dtype=np.int64)
+        if sizes is None or not len(pair_order):
+            return None
+        counts[pair] = int(np.asarray(sizes)[pair_order[indices % len(pair_order)]].sum())
+    return counts
 
 
 def updates_per_epoch(batches_per_epoch: int, update_freq) -> int:
